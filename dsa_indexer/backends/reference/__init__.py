@@ -1,0 +1,29 @@
+"""The reference backend: every op in pure torch, on any device. The oracle for tests and the last-resort fallback."""
+
+from __future__ import annotations
+
+from ...dispatch.plugins import hookimpl
+from ...dispatch.registry import Registry
+
+REFERENCE_PRIORITY = 0
+REFERENCE_OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
+                 "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer")
+
+
+def _factory(name: str):
+    def factory():
+        from . import kernels
+
+        return getattr(kernels, name)
+
+    return factory
+
+
+@hookimpl
+def dsa_indexer_register(registry: Registry) -> None:
+    for op in REFERENCE_OPS:
+        registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
+                                description="pure torch, any device")(_factory(op))
+    from ...pipeline import register_single_stream
+
+    register_single_stream(registry)

@@ -1,0 +1,210 @@
+"""Pure-torch implementations of every op: the oracle for all other backends and the last-resort fallback.
+
+Arguments are validated by the public op layer (`dsa_indexer.ops`) before they get here. The math is the
+contract of `docs/ops.md` (written from the DeepSeek-V3.2 / V4 reference code): fp32 throughout, no
+intermediate rounding, quantization by division with ``amax`` clamped to 1e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...cache import PAGE_SIZE, page_views, store_rows
+
+# Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
+_SCORES_BUDGET_BYTES = 256 << 20
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """448 for e4m3fn; 224 for e4m3fnuz, the range the AMD integrations use on gfx942."""
+    return 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
+
+
+def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False,
+                     fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    fmax = fp8_max(fp8_dtype)
+    shape = x.shape
+    groups = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / fmax
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    x_fp8 = (groups / scale).clamp(-fmax, fmax).to(fp8_dtype)
+    return x_fp8.reshape(shape), scale.reshape(*shape[:-1], shape[-1] // group_size)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+
+
+def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int = 128, ue8m0: bool = False,
+                      fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Quantize the bf16-rounded normed value: exactly the tensor returned, so reusing the fp8 copy
+    # can never change a downstream result.
+    normed = rmsnorm(x, weight, eps).to(x.dtype)
+    x_fp8, scale = quant_fp8_groups(normed, group_size, ue8m0, fp8_dtype)
+    return normed, x_fp8, scale
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard_cpu(dim: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * dim ** -0.5).float()
+
+
+def hadamard_matrix(dim: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of size ``dim`` (a power of two), fp32."""
+    return _hadamard_cpu(dim).to(device)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rope_offset: int,
+               interleaved: bool) -> torch.Tensor:
+    """Rotate dims ``[rope_offset, rope_offset + R)`` of ``x`` ([T, ..., D] fp32), R = cos_sin.shape[1].
+
+    NeoX (rotate-half): dim i pairs with i + R/2. Interleaved (GPT-J): dim 2i pairs with 2i + 1.
+    ``cos_sin[p] = [cos(p * f_0..f_{R/2-1}), sin(...)]``.
+    """
+    rope_dim = cos_sin.shape[1]
+    half = rope_dim // 2
+    cs = cos_sin.float()[positions.long()]
+    cos, sin = cs[:, :half], cs[:, half:]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = x.clone()
+    part = x[..., rope_offset:rope_offset + rope_dim]
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    else:
+        a, b = part[..., :half], part[..., half:]
+        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    out[..., rope_offset:rope_offset + rope_dim] = rotated
+    return out
+
+
+def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+               weight_scale: float, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    x = apply_rope(q.float(), positions, cos_sin, rope_offset, interleaved)
+    x = x @ hadamard_matrix(x.shape[-1], x.device)
+    q_fp8, q_scale = quant_fp8_groups(x, x.shape[-1], ue8m0, fp8_dtype)
+    weights = head_weights.float() * weight_scale * q_scale.squeeze(-1)
+    return q_fp8, weights
+
+
+def k_prologue(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+               positions: torch.Tensor, cos_sin: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
+               fp8_dtype: torch.dtype, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    x = k.float()
+    if norm == "layernorm":
+        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
+    elif norm == "rmsnorm":
+        x = rmsnorm(x, norm_weight, eps)
+    x = apply_rope(x, positions, cos_sin, rope_offset, interleaved)
+    x = x @ hadamard_matrix(x.shape[-1], x.device)
+    k_fp8, k_scale = quant_fp8_groups(x, x.shape[-1], ue8m0, fp8_dtype)
+    return k_fp8, k_scale.squeeze(-1)
+
+
+def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+                     positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
+                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, norm: str = "layernorm") -> None:
+    k_fp8, k_scale = k_prologue(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, interleaved, ue8m0,
+                                fp8_dtype, norm)
+    store_rows(kv_cache, slot_mapping, k_fp8, k_scale)
+
+
+def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    m, kdim = a.shape
+    n = b.shape[0]
+    a_deq = a.float() * a_scales.float().repeat_interleave(128, dim=1)[:, :kdim]
+    b_full = b_scales.float().repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :kdim]
+    return (a_deq @ (b.float() * b_full).t()).to(out_dtype)
+
+
+def _weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_h w[t, h] * relu(q[t, h] . k[s]) for q [T, H, D] fp32, k [S, D] fp32, w [T, H] -> [T, S]."""
+    scores = torch.einsum("thd,sd->ths", q, k).clamp_min_(0)
+    return torch.einsum("ths,th->ts", scores, weights)
+
+
+def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                      ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    rows, heads, _ = q.shape
+    n = k.shape[0]
+    out = torch.full((rows, n), float("-inf"), dtype=torch.float32, device=q.device)
+    kf = k.float()
+    chunk = max(1, _SCORES_BUDGET_BYTES // max(1, heads * n * 4))
+    cols = torch.arange(n, device=q.device)
+    for start in range(0, rows, chunk):
+        stop = min(rows, start + chunk)
+        logits = _weighted_relu_scores(q[start:stop].float(), kf, weights[start:stop].float()) * k_scales.float()
+        visible = (cols >= ks[start:stop, None]) & (cols < ke[start:stop, None])
+        out[start:stop] = torch.where(visible, logits, out[start:stop])
+    return out
+
+
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                     block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    batch, next_n, heads, dim = q.shape
+    keys, scales = page_views(kv_cache, q.dtype)
+    out = torch.full((batch * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
+    lens = context_lens.reshape(batch, next_n).to("cpu", torch.int64)
+    cols = torch.arange(max_context_len, device=q.device)
+    for b in range(batch):
+        length = min(int(lens[b].max()), max_context_len)
+        if length <= 0:
+            continue
+        pages = block_table[b, : (length + PAGE_SIZE - 1) // PAGE_SIZE].long()
+        k = keys[pages].reshape(-1, dim)[:length].float()
+        k_scale = scales[pages].reshape(-1)[:length]
+        rows = slice(b * next_n, (b + 1) * next_n)
+        logits = _weighted_relu_scores(q[b].float(), k, weights[rows].float()) * k_scale
+        visible = cols[:length] < context_lens.reshape(batch, next_n)[b, :, None].long()
+        out[rows, :length] = torch.where(visible, logits, out[rows, :length])
+    return out
+
+
+def indices_to_slots(indices: torch.Tensor, block_table: torch.Tensor, row_request: torch.Tensor) -> torch.Tensor:
+    """Request-local positions -> physical cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays."""
+    valid = indices >= 0
+    pos = indices.clamp_min(0).long()
+    pages = block_table.long()[row_request.long()[:, None], pos // PAGE_SIZE]
+    slots = pages * PAGE_SIZE + pos % PAGE_SIZE
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+    rows, cols = logits.shape
+    device = logits.device
+    starts_l = torch.zeros(rows, dtype=torch.long, device=device) if starts is None else starts.long()
+    ends_l = ends.long()
+    col = torch.arange(cols, device=device)
+    visible = (col >= starts_l[:, None]) & (col < ends_l[:, None])
+    masked = torch.where(visible, logits.float(), torch.full_like(logits, float("-inf"), dtype=torch.float32))
+    take = min(k, cols)
+    # A stable descending sort keeps the lower index first among equal values: the tie rule.
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :take]
+    count = (ends_l - starts_l).clamp(0, k)
+    slot = torch.arange(take, device=device)
+    local = torch.where(slot[None, :] < count[:, None], order - starts_l[:, None], torch.full_like(order, -1))
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=device)
+    out[:, :take] = local.to(torch.int32)
+    if block_table is not None:
+        req = torch.arange(rows, device=device) if row_request is None else row_request
+        out = indices_to_slots(out, block_table, req)
+    return out
+
+
+def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                      block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+    logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    return topk_indices(logits, k, context_lens.reshape(-1))

@@ -1,0 +1,65 @@
+"""The portable Triton backend: one kernel per op, for NVIDIA (sm90, sm100, sm120) and AMD (gfx942/950/1250).
+
+It ranks below the vendor libraries (DeepGEMM, aiter) and above the reference. Kernels take the target's fp8
+type (e4m3fnuz on gfx942, checked by the public op layer). With ``TRITON_INTERPRET=1`` the kernels also run on CPU
+tensors (slowly), which is how CI exercises them on small shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ...dispatch.plugins import hookimpl
+from ...dispatch.problem import Problem
+from ...dispatch.registry import Registry
+from ...dispatch.target import Target
+
+TRITON_PRIORITY = 100
+TRITON_TARGETS = ("sm90", "sm100", "sm120", "gfx942", "gfx950", "gfx1250")
+
+# op -> (module in this package, function name)
+KERNELS = {
+    "quant_fp8_groups": ("quant", "quant_fp8_groups"),
+    "rmsnorm_quant_fp8": ("quant", "rmsnorm_quant_fp8"),
+    "q_prologue": ("prologue", "q_prologue"),
+    "k_prologue_store": ("prologue", "k_prologue_store"),
+    "gemm_fp8_blockscale": ("gemm", "gemm_fp8_blockscale"),
+    "ragged_mqa_logits": ("logits", "ragged_mqa_logits"),
+    "paged_mqa_logits": ("logits", "paged_mqa_logits"),
+    "topk_indices": ("topk", "topk_indices"),
+    "lightning_indexer": ("topk", "lightning_indexer"),
+}
+
+
+def _factory(module: str, name: str):
+    def factory():
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+    return factory
+
+
+def _supports(op: str):
+    def check(problem: Problem, target: Target) -> str | None:
+        dim = problem.get("dim")
+        if dim is not None and dim != 128:
+            return f"head dim {dim}: the Triton kernels are written for 128"
+        width = problem.get("width")
+        group = problem.get("group_size")
+        if group is not None and group not in (32, 64, 128):
+            return f"group_size {group}: the Triton quant kernels take 32, 64 or 128"
+        if width is not None and width > 16384:
+            return f"width {width} > 16384: one row must fit one Triton program"
+        k = problem.get("k")
+        if op in ("topk_indices", "lightning_indexer") and k is not None and k > 2048:
+            return f"k={k} > 2048: the Triton top-k keeps at most 2048 candidates per row"
+        return None
+
+    return check
+
+
+@hookimpl
+def dsa_indexer_register(registry: Registry) -> None:
+    for op, (module, name) in KERNELS.items():
+        registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
+                                requires=("gpu", "triton"), supports=_supports(op),
+                                description=f"Triton kernel {module}.{name}")(_factory(module, name))

@@ -1,0 +1,174 @@
+"""Batch metadata for one indexer step: decode (paged) and prefill / extend (ragged).
+
+Builders validate lengths against the block table and the cache capacity on the host, once per step, so the
+kernels can trust them (an out-of-range page id would otherwise read another request's keys or fault).
+With ``compress_ratio=4`` (V4's C4 indexer) keys are compressed entries: a query at position t sees entries
+``j < (t + 1) // 4``, and the block table maps entry indices to cache slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import PAGE_SIZE
+from .validate import IndexerInputError
+
+
+def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu")
+    else:
+        try:
+            t = torch.tensor(value)
+        except Exception as exc:
+            raise IndexerInputError(f"{name} must be an int tensor or a list of ints: {exc}") from None
+    if t.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8):
+        raise IndexerInputError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() not in ndim:
+        raise IndexerInputError(f"{name} must have {' or '.join(map(str, ndim))} dims, got shape {list(t.shape)}")
+    return t.long()
+
+
+def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> None:
+    """``needed_pages[b]`` pages of row b must exist in the table and point inside the cache."""
+    if block_table.dim() != 2 or block_table.shape[0] != needed_pages.shape[0]:
+        raise IndexerInputError(f"block_table must be [num_requests={needed_pages.shape[0]}, max_pages], got shape "
+                                f"{list(block_table.shape)}")
+    too_long = needed_pages > block_table.shape[1]
+    if bool(too_long.any()):
+        b = int(too_long.nonzero()[0, 0])
+        raise IndexerInputError(f"request {b} needs {int(needed_pages[b])} pages of {PAGE_SIZE} slots but block_table "
+                                f"has only {block_table.shape[1]} columns")
+    used = torch.arange(block_table.shape[1])[None, :] < needed_pages[:, None]
+    entries = block_table[used]
+    if entries.numel():
+        low, high = int(entries.min()), int(entries.max())
+        if low < 0 or (num_pages is not None and high >= num_pages):
+            limit = f"[0, {num_pages})" if num_pages is not None else ">= 0"
+            raise IndexerInputError(f"block_table entries in use must be cache pages in {limit}, got range [{low}, {high}]")
+
+
+def _slots(block_table: torch.Tensor, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    return block_table[request, position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+
+
+@dataclass
+class DecodeBatch:
+    """B requests x next_n query tokens (row = b * next_n + n). Tensors live on the compute device."""
+
+    context_lens: torch.Tensor  # [B, next_n] int32: keys visible to each row
+    block_table: torch.Tensor  # [B, max_pages] int32
+    positions: torch.Tensor  # [B * next_n] int64: token position of each row
+    slot_mapping: torch.Tensor  # [B * next_n] int64: cache slot of each row's own key (-1: no key stored)
+    row_request: torch.Tensor  # [B * next_n] int32
+    max_context_len: int
+    next_n: int
+    compress_ratio: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @classmethod
+    def build(cls, seq_lens, block_table, *, next_n: int = 1, num_cache_pages: int | None = None,
+              device: torch.device | str = "cpu", compress_ratio: int = 1,
+              max_context_len: int | None = None) -> "DecodeBatch":
+        """``seq_lens[b]``: tokens of request b including its next_n new ones. ``block_table[b]``: its pages
+        (of compressed entries when compress_ratio is 4). ``max_context_len``: pad the logits width (default:
+        the longest row, rounded up to a page), e.g. to keep a CUDA graph's shapes fixed."""
+        if not isinstance(next_n, int) or next_n < 1:
+            raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
+        if compress_ratio not in (1, 4):
+            raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
+        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,))
+        table = _as_host_int_tensor("block_table", block_table, (2,))
+        if seq.numel() == 0:
+            raise IndexerInputError("seq_lens must name at least one request")
+        if bool((seq < next_n).any()):
+            raise IndexerInputError(f"every seq_lens entry must be >= next_n={next_n} (it includes the new tokens), "
+                                    f"got min {int(seq.min())}")
+        positions = seq[:, None] - next_n + torch.arange(next_n)[None, :]  # [B, next_n]
+        keys = (positions + 1) // compress_ratio  # keys visible to each row
+        needed = (keys.max(dim=1).values + PAGE_SIZE - 1) // PAGE_SIZE
+        _check_block_table(table, needed, num_cache_pages)
+        longest = int(keys.max())
+        width = max(PAGE_SIZE, -(-longest // PAGE_SIZE) * PAGE_SIZE) if max_context_len is None else max_context_len
+        if width < longest:
+            raise IndexerInputError(f"max_context_len {width} is shorter than the longest row ({longest} keys)")
+        if width > table.shape[1] * PAGE_SIZE:
+            width = table.shape[1] * PAGE_SIZE
+        request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n)
+        if compress_ratio == 1:
+            slots = _slots(table, request, positions)
+        else:
+            slots = torch.full_like(positions, -1)  # compressed keys are stored by the model's compressor
+        return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
+                   positions.reshape(-1).to(device), slots.reshape(-1).to(device),
+                   request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio)
+
+
+@dataclass
+class PrefillBatch:
+    """Ragged prefill / extend: request b has prefix_lens[b] cached tokens and extend_lens[b] new ones.
+
+    Keys of all requests are gathered request by request (``gather_slots``); query row i of request b sees
+    gathered keys ``[ks, ke)`` = its request's keys up to and including its own position.
+    """
+
+    ks: torch.Tensor  # [T] int32
+    ke: torch.Tensor  # [T] int32
+    gather_slots: torch.Tensor  # [total keys] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 (-1 when compressed: keys come from the compressor)
+    row_request: torch.Tensor  # [T] int32
+    block_table: torch.Tensor  # [B, max_pages] int32
+    max_keys_per_row: int
+    compress_ratio: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @classmethod
+    def build(cls, prefix_lens, extend_lens, block_table, *, num_cache_pages: int | None = None,
+              device: torch.device | str = "cpu", compress_ratio: int = 1) -> "PrefillBatch":
+        if compress_ratio not in (1, 4):
+            raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
+        prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,))
+        extend = _as_host_int_tensor("extend_lens", extend_lens, (1,))
+        table = _as_host_int_tensor("block_table", block_table, (2,))
+        if prefix.shape != extend.shape or prefix.numel() == 0:
+            raise IndexerInputError(f"prefix_lens and extend_lens must be non-empty and of one length, got "
+                                    f"{list(prefix.shape)} and {list(extend.shape)}")
+        if bool((prefix < 0).any()) or bool((extend < 1).any()):
+            raise IndexerInputError("prefix_lens must be >= 0 and extend_lens >= 1 for every request")
+        total = prefix + extend
+        keys_total = total // compress_ratio
+        _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        ks, ke, pos, req, gather = [], [], [], [], []
+        offset = 0
+        for b in range(prefix.shape[0]):
+            p, e, n_keys = int(prefix[b]), int(extend[b]), int(keys_total[b])
+            positions = torch.arange(p, p + e)
+            pos.append(positions)
+            ks.append(torch.full((e,), offset))
+            ke.append(offset + (positions + 1) // compress_ratio)
+            req.append(torch.full((e,), b))
+            gather.append(_slots(table, torch.full((n_keys,), b), torch.arange(n_keys)))
+            offset += n_keys
+        positions = torch.cat(pos)
+        request = torch.cat(req)
+        ks_t, ke_t = torch.cat(ks), torch.cat(ke)
+        if compress_ratio == 1:
+            slots = _slots(table, request, positions)
+        else:
+            slots = torch.full_like(positions, -1)
+        return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
+                   positions.to(device), slots.to(device), request.to(device, torch.int32),
+                   table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio)

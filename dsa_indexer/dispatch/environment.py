@@ -1,0 +1,119 @@
+"""Facts about the software on this machine that decide which implementations can run.
+
+Resolution reads these facts only through an `Environment`, so tests can simulate any machine:
+``Environment.simulated(gpu=True, triton=True, deep_gemm=False)`` describes an sm90 box without DeepGEMM.
+A fact is a name mapped to ``None`` (present and working) or a reason string (absent or broken).
+Real facts are probed lazily, once; a backend adds probes for its vendor library (DeepGEMM's
+self-test, for example) through `Registry.add_probe`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from typing import Callable, Mapping
+
+import torch
+
+Probe = Callable[[], "str | None"]
+
+
+def module_probe(module: str, hint: str) -> Probe:
+    """A probe that says whether ``module`` can be found, without importing it."""
+
+    def probe() -> str | None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"'{module}' is not installed ({hint})"
+
+    return probe
+
+
+def _gpu_probe() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    npu = getattr(torch, "npu", None)
+    try:
+        if npu is not None and npu.is_available():
+            return None
+    except Exception:
+        pass
+    return "no GPU or NPU device is visible to torch"
+
+
+def _triton_probe() -> str | None:
+    found = module_probe("triton", "pip install triton")()
+    if found is not None:
+        return found
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return _gpu_probe() and "triton needs a GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+
+
+BUILTIN_PROBES: dict[str, Probe] = {
+    "gpu": _gpu_probe,
+    "triton": _triton_probe,
+    "deep_gemm": module_probe("deep_gemm", "pip install 'dsa-indexer[cuda]' or build upstream DeepGEMM"),
+    "aiter": module_probe("aiter", "pip install 'dsa-indexer[rocm]' on a ROCm machine"),
+    "torch_npu": module_probe("torch_npu", "pip install 'dsa-indexer[npu]' with the CANN toolkit"),
+}
+
+
+class Environment:
+    """A mapping fact -> None (usable) or the reason it is not; probed lazily and cached."""
+
+    def __init__(self, probes: Mapping[str, Probe] | None = None, facts: Mapping[str, str | None] | None = None,
+                 name: str = "detected") -> None:
+        self._probes = dict(BUILTIN_PROBES if probes is None else probes)
+        self._facts: dict[str, str | None] = dict(facts or {})
+        self._lock = threading.Lock()
+        self.name = name
+
+    @classmethod
+    def simulated(cls, **present: bool | str) -> "Environment":
+        """An environment with fixed facts: ``True`` = present, ``False`` or a reason string = absent.
+
+        Facts not named are absent ("not in the simulated environment").
+        """
+        facts: dict[str, str | None] = {}
+        for fact, value in present.items():
+            if value is True:
+                facts[fact] = None
+            elif value is False:
+                facts[fact] = f"'{fact}' is absent in the simulated environment"
+            else:
+                facts[fact] = str(value)
+        label = ",".join(f"{k}={'yes' if v is None else 'no'}" for k, v in sorted(facts.items()))
+        env = cls(probes={}, facts=facts, name=f"simulated({label})")
+        return env
+
+    def add_probe(self, fact: str, probe: Probe) -> None:
+        with self._lock:
+            self._probes[fact] = probe
+            self._facts.pop(fact, None)
+
+    def missing(self, fact: str) -> str | None:
+        """None when ``fact`` holds, else the reason it does not."""
+        try:
+            return self._facts[fact]
+        except KeyError:
+            pass
+        with self._lock:
+            if fact in self._facts:
+                return self._facts[fact]
+            probe = self._probes.get(fact)
+            if probe is None:
+                reason: str | None = f"'{fact}' is absent in the {self.name} environment"
+            else:
+                try:
+                    reason = probe()
+                except Exception as exc:  # a probe must never take the host down
+                    reason = f"probe for '{fact}' failed: {type(exc).__name__}: {exc}"
+            self._facts[fact] = reason
+            return reason
+
+    def __repr__(self) -> str:
+        return f"Environment({self.name})"

@@ -1,0 +1,107 @@
+"""Backends arrive as pluggy plugins with one hook, ``dsa_indexer_register(registry)``.
+
+The built-in backends register through the same hook as third-party ones, which are found through the
+entry-point group ``dsa_indexer.backends``. A plugin that fails to import or to register is recorded
+(``registry.plugins_failed``, shown by `dsa-indexer info` and in "no implementation" errors) and whatever
+it registered before failing is rolled back; the host never crashes because of a plugin.
+
+Environment:
+- ``DSA_INDEXER_DISABLE_PLUGIN_AUTOLOAD=1``: load only the built-in backends.
+- ``DSA_INDEXER_PLUGINS=name1,name2``: load only these third-party entry points.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from .registry import Registry
+
+PROJECT = "dsa_indexer"
+ENTRY_POINT_GROUP = "dsa_indexer.backends"
+AUTOLOAD_ENV = "DSA_INDEXER_DISABLE_PLUGIN_AUTOLOAD"
+ALLOW_ENV = "DSA_INDEXER_PLUGINS"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+BUILTIN_BACKENDS = (
+    "dsa_indexer.backends.reference",
+    "dsa_indexer.backends.triton",
+    "dsa_indexer.backends.cuda",
+    "dsa_indexer.backends.rocm",
+    "dsa_indexer.backends.npu",
+)
+
+
+class BackendSpec:
+    @hookspec
+    def dsa_indexer_register(self, registry: Registry) -> None:
+        """Register this backend's implementations with ``registry.register`` / ``registry.implementation``."""
+
+
+def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, plugin: Any) -> None:
+    before = registry.snapshot_ids()
+    try:
+        manager.register(plugin, name=name)
+        others = [p for p in manager.get_plugins() if p is not plugin]
+        manager.subset_hook_caller("dsa_indexer_register", remove_plugins=others)(registry=registry)
+    except Exception as exc:
+        for impl_id in registry.snapshot_ids() - before:
+            registry.unregister(impl_id)
+        if manager.is_registered(plugin):
+            manager.unregister(plugin)
+        registry.plugins_failed.append(f"{name}: register failed: {type(exc).__name__}: {exc}")
+        return
+    registry.adopt(registry.snapshot_ids() - before, origin=name)
+    registry.plugins_loaded.append(name)
+
+
+def load_plugins(registry: Registry, *, builtins: tuple[str, ...] = BUILTIN_BACKENDS,
+                 entry_points: bool | None = None) -> pluggy.PluginManager:
+    """Register the built-in backends, then the installed entry points, into ``registry``."""
+    manager = pluggy.PluginManager(PROJECT)
+    manager.add_hookspecs(BackendSpec)
+    for module_name in builtins:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            registry.plugins_failed.append(f"{module_name}: import failed: {type(exc).__name__}: {exc}")
+            continue
+        _register_one(registry, manager, module_name.rsplit(".", 1)[-1], module)
+    if entry_points is None:
+        entry_points = os.environ.get(AUTOLOAD_ENV, "0") in ("", "0", "false", "no")
+    if not entry_points:
+        return manager
+    allowed = {n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allowed and entry.name not in allowed:
+            continue
+        try:
+            plugin = entry.load()
+        except Exception as exc:
+            registry.plugins_failed.append(f"{entry.name} ({entry.value}): import failed: {type(exc).__name__}: {exc}")
+            continue
+        _register_one(registry, manager, entry.name, plugin)
+    return manager
+
+
+_default: Registry | None = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> Registry:
+    """The process-wide registry, with every plugin loaded on first use."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                registry = Registry()
+                load_plugins(registry)
+                _default = registry
+    return _default

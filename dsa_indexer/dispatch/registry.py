@@ -1,0 +1,365 @@
+"""The op registry: which implementation of an op runs for a target and a problem, and why.
+
+An implementation is a record (`Implementation`): op name, id ``<op>.<vendor>.<variant>``, the targets it
+serves (an exact arch such as ``sm90``, a family such as ``rocm``, or ``*``), an explicit priority,
+the environment facts it needs (``deep_gemm``, ``gpu`` ...), and two checks that return a reason when
+they say no: ``available(target, env)`` and ``supports(problem, target)``.
+
+`Registry.resolve` is a pure function of (op, target, problem, environment, overrides) and returns a
+`Resolution` that lists every candidate with its verdict. `Registry.call` caches the chosen function per
+(op, target, problem) so the hot path is one dict lookup after the first call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from .environment import Environment
+from .problem import Problem
+from .target import Target
+
+FORCE_ENV = "DSA_INDEXER_FORCE"
+STRICT_ENV = "DSA_INDEXER_STRICT"
+
+REFERENCE_VENDOR = "reference"
+FAMILIES = ("cuda", "rocm", "npu", "cpu")
+
+Check = Callable[..., "str | None"]
+
+
+@dataclass(frozen=True, eq=False)
+class Implementation:
+    """One way to compute one op. ``factory()`` returns the callable; vendor imports belong inside it."""
+
+    op: str
+    impl_id: str
+    targets: tuple[str, ...]
+    priority: int
+    factory: Callable[[], Callable[..., Any]]
+    requires: tuple[str, ...] = ()
+    available: Check | None = None
+    supports: Check | None = None
+    description: str = ""
+    origin: str = "?"
+    info: Mapping[str, Any] = field(default_factory=dict)  # op-specific facts, e.g. a GEMM's input layout
+
+    def __post_init__(self) -> None:
+        parts = self.impl_id.split(".")
+        if len(parts) != 3 or parts[0] != self.op or not all(parts):
+            raise ValueError(f"implementation id {self.impl_id!r} must read '<op>.<vendor>.<variant>' with op {self.op!r}")
+        if not self.targets:
+            raise ValueError(f"{self.impl_id}: targets must name at least one arch, family or '*'")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "requires", tuple(self.requires))
+
+    @property
+    def vendor(self) -> str:
+        return self.impl_id.split(".")[1]
+
+    def serves(self, target: Target) -> bool:
+        return any(t == "*" or t == target.arch or t == target.vendor for t in self.targets)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    impl: Implementation
+    accepted: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The answer of `Registry.resolve`: the chosen implementation and every candidate's verdict."""
+
+    op: str
+    target: Target
+    problem: Problem
+    chosen: Implementation | None
+    candidates: tuple[Candidate, ...]
+    forced: str | None = None
+    environment: str = ""
+    failed_plugins: tuple[str, ...] = ()
+
+    @property
+    def is_fallback(self) -> bool:
+        """The reference ran on a GPU target although a faster implementation serves it."""
+        if self.chosen is None or self.chosen.vendor != REFERENCE_VENDOR or not self.target.is_gpu:
+            return False
+        return any(c.impl.serves(self.target) and c.impl.vendor != REFERENCE_VENDOR for c in self.candidates)
+
+    def explain(self) -> str:
+        lines = [f"op {self.op} on target {self.target} ({self.target.vendor}), problem {self.problem}",
+                 f"environment: {self.environment}"]
+        if self.forced:
+            lines.append(f"forced: {self.forced}")
+        for cand in self.candidates:
+            mark = "*" if self.chosen is cand.impl else ("+" if cand.accepted else "-")
+            lines.append(f"  {mark} {cand.impl.impl_id:<44} prio {cand.impl.priority:>4}  {cand.reason}")
+        if self.chosen is None:
+            lines.append("  => no implementation")
+        else:
+            lines.append(f"  => {self.chosen.impl_id}")
+        for failure in self.failed_plugins:
+            lines.append(f"  failed plugin: {failure}")
+        return "\n".join(lines)
+
+
+class NoImplementationError(RuntimeError):
+    """No registered implementation can run this op here; the message holds the whole trace."""
+
+    def __init__(self, resolution: Resolution, why: str) -> None:
+        self.resolution = resolution
+        super().__init__(
+            f"{why}\n{resolution.explain()}\n"
+            f"Override with {FORCE_ENV}='{resolution.op}=<impl_id>' or Registry.force(); "
+            f"simulate another target with DSA_INDEXER_TARGET=<arch>; "
+            f"allow the reference fallback by unsetting {STRICT_ENV}."
+        )
+
+
+def parse_force(text: str | None) -> dict[str, str]:
+    """``"op=impl,op2=impl2"`` -> ``{op: impl}``; a malformed entry is an error naming it."""
+    forced: dict[str, str] = {}
+    for entry in (text or "").split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        op, sep, impl_id = entry.partition("=")
+        if not sep or not op.strip() or not impl_id.strip():
+            raise ValueError(f"{FORCE_ENV} entry {entry!r} must read 'op=impl_id'")
+        forced[op.strip()] = impl_id.strip()
+    return forced
+
+
+@dataclass
+class _Overrides:
+    forced: dict[str, str] = field(default_factory=dict)
+    strict: bool | None = None
+
+
+class Registry:
+    """Holds implementations; resolves and calls them. Thread-safe."""
+
+    def __init__(self, environment: Environment | None = None) -> None:
+        self._impls: dict[str, dict[str, Implementation]] = {}
+        self._lock = threading.RLock()
+        self._fn_cache: dict[tuple, Callable[..., Any]] = {}
+        self._resolution_cache: dict[tuple, Resolution] = {}
+        self._factories: dict[str, Callable[..., Any]] = {}
+        self._warned: set[tuple] = set()
+        self._overrides = _Overrides()
+        self.environment = environment or Environment()
+        self.plugins_loaded: list[str] = []
+        self.plugins_failed: list[str] = []
+
+    # --- registration -------------------------------------------------------------------------
+    def register(self, impl: Implementation) -> Implementation:
+        with self._lock:
+            per_op = self._impls.setdefault(impl.op, {})
+            if impl.impl_id in per_op:
+                raise ValueError(f"{impl.impl_id} is already registered (by {per_op[impl.impl_id].origin})")
+            for other in per_op.values():
+                shared = set(other.targets) & set(impl.targets)
+                if other.priority == impl.priority and shared:
+                    raise ValueError(
+                        f"priority tie: {impl.impl_id} and {other.impl_id} both serve {sorted(shared)} at priority "
+                        f"{impl.priority}; give one an explicit different priority"
+                    )
+            per_op[impl.impl_id] = impl
+            self._invalidate()
+            return impl
+
+    def implementation(self, op: str, *, impl_id: str, targets: Iterable[str], priority: int,
+                       requires: Iterable[str] = (), available: Check | None = None, supports: Check | None = None,
+                       description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None
+                       ) -> Callable[[Callable], Callable]:
+        """Decorator form: the decorated function is the factory returning the kernel callable."""
+
+        def wrap(factory: Callable[[], Callable]) -> Callable[[], Callable]:
+            self.register(Implementation(op, impl_id, tuple(targets), priority, factory, tuple(requires), available,
+                                         supports, description or (factory.__doc__ or "").strip().split("\n")[0],
+                                         origin, dict(info or {})))
+            return factory
+
+        return wrap
+
+    def unregister(self, impl_id: str) -> None:
+        with self._lock:
+            for per_op in self._impls.values():
+                per_op.pop(impl_id, None)
+            self._invalidate()
+
+    def ops(self) -> list[str]:
+        return sorted(self._impls)
+
+    def implementations(self, op: str) -> list[Implementation]:
+        if op not in self._impls:
+            raise KeyError(f"unknown op {op!r}; known ops: {', '.join(self.ops())}")
+        return sorted(self._impls[op].values(), key=lambda i: (-i.priority, i.impl_id))
+
+    def add_probe(self, fact: str, probe: Callable[[], "str | None"]) -> None:
+        self.environment.add_probe(fact, probe)
+        self._invalidate()
+
+    # --- overrides ----------------------------------------------------------------------------
+    def force(self, op: str, impl_id: str | None) -> None:
+        """Always use ``impl_id`` for ``op`` (``None`` removes the override)."""
+        with self._lock:
+            if impl_id is None:
+                self._overrides.forced.pop(op, None)
+            else:
+                self._overrides.forced[op] = impl_id
+            self._invalidate()
+
+    def set_strict(self, strict: bool | None) -> None:
+        """Refuse the reference fallback on GPU targets (``None``: follow ``DSA_INDEXER_STRICT``)."""
+        with self._lock:
+            self._overrides.strict = strict
+            self._invalidate()
+
+    def set_environment(self, environment: Environment) -> None:
+        with self._lock:
+            self.environment = environment
+            self._invalidate()
+
+    def _forced_for(self, op: str) -> str | None:
+        if op in self._overrides.forced:
+            return self._overrides.forced[op]
+        return parse_force(os.environ.get(FORCE_ENV)).get(op)
+
+    def _strict(self) -> bool:
+        if self._overrides.strict is not None:
+            return self._overrides.strict
+        return os.environ.get(STRICT_ENV, "0") not in ("", "0", "false", "no")
+
+    def _invalidate(self) -> None:
+        self._fn_cache = {}
+        self._resolution_cache = {}
+
+    def clear_cache(self) -> None:
+        """Forget cached resolutions (after changing DSA_INDEXER_FORCE / _STRICT in the environment)."""
+        with self._lock:
+            self._invalidate()
+
+    # --- resolution ---------------------------------------------------------------------------
+    def resolve(self, op: str, target: Target, problem: Problem | None = None, *,
+                environment: Environment | None = None, force: str | None = None) -> Resolution:
+        problem = problem if problem is not None else Problem()
+        env = environment or self.environment
+        forced = force if force is not None else self._forced_for(op)
+        key = (op, target, problem, env, forced)
+        cached = self._resolution_cache.get(key)
+        if cached is not None:
+            return cached
+        with self._lock:
+            impls = self.implementations(op)
+            candidates: list[Candidate] = []
+            chosen: Implementation | None = None
+            if forced is not None and forced not in {i.impl_id for i in impls}:
+                res = Resolution(op, target, problem, None, (), forced, env.name, tuple(self.plugins_failed))
+                raise NoImplementationError(res, f"forced implementation {forced!r} is not registered for op {op!r}; "
+                                                 f"registered: {', '.join(i.impl_id for i in impls)}")
+            for impl in impls:
+                reason = self._verdict(impl, target, problem, env, forced)
+                accepted = reason is None
+                if accepted and chosen is None:
+                    chosen = impl
+                    reason = "chosen" + (" (forced)" if forced == impl.impl_id else "")
+                elif accepted:
+                    reason = f"usable, lower priority than {chosen.impl_id}" if chosen else "usable"
+                candidates.append(Candidate(impl, accepted, reason))
+            res = Resolution(op, target, problem, chosen, tuple(candidates), forced, env.name,
+                             tuple(self.plugins_failed))
+            self._resolution_cache[key] = res
+            return res
+
+    @staticmethod
+    def _verdict(impl: Implementation, target: Target, problem: Problem, env: Environment,
+                 forced: str | None) -> str | None:
+        if forced is not None and impl.impl_id != forced:
+            return f"not the forced implementation ({forced})"
+        if not impl.serves(target) and impl.impl_id != forced:
+            return f"serves {', '.join(impl.targets)}, not {target}"
+        for fact in impl.requires:
+            missing = env.missing(fact)
+            if missing is not None:
+                return missing
+        if impl.available is not None:
+            reason = impl.available(target, env)
+            if reason is not None:
+                return reason
+        if impl.supports is not None:
+            reason = impl.supports(problem, target)
+            if reason is not None:
+                return reason
+        return None
+
+    def choose(self, op: str, target: Target, problem: Problem | None = None) -> Resolution:
+        """`resolve`, then apply strict mode and the fallback warning; raise when nothing can run."""
+        res = self.resolve(op, target, problem)
+        if res.chosen is None:
+            why = (f"forced implementation {res.forced} cannot run here" if res.forced
+                   else f"no implementation of {op!r} can run on target {target}")
+            raise NoImplementationError(res, why)
+        if res.is_fallback and not res.forced:
+            if self._strict():
+                raise NoImplementationError(res, f"strict mode ({STRICT_ENV}=1): refusing the reference fallback "
+                                                 f"for {op!r} on GPU target {target}")
+            warn_key = (op, target)
+            if warn_key not in self._warned:
+                self._warned.add(warn_key)
+                rejected = "; ".join(f"{c.impl.impl_id}: {c.reason}" for c in res.candidates
+                                     if c.impl.serves(target) and not c.accepted)
+                warnings.warn(f"dsa_indexer: {op} on {target} falls back to the slow reference ({rejected})",
+                              RuntimeWarning, stacklevel=3)
+        return res
+
+    def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
+        """The callable that runs ``op`` for (target, problem); cached."""
+        key = (op, target, problem)
+        fn = self._fn_cache.get(key)
+        if fn is None:
+            res = self.choose(op, target, problem)
+            fn = self._factory_result(res.chosen)
+            self._fn_cache[key] = fn
+        return fn
+
+    def _factory_result(self, impl: Implementation) -> Callable[..., Any]:
+        fn = self._factories.get(impl.impl_id)
+        if fn is None:
+            with self._lock:
+                fn = self._factories.get(impl.impl_id)
+                if fn is None:
+                    fn = impl.factory()
+                    self._factories[impl.impl_id] = fn
+        return fn
+
+    def call(self, op: str, target: Target, problem: Problem | None, *args: Any, **kwargs: Any) -> Any:
+        fn = self._fn_cache.get((op, target, problem))
+        if fn is None:
+            fn = self.function(op, target, problem)
+        return fn(*args, **kwargs)
+
+    # --- plugin transactions ------------------------------------------------------------------
+    def adopt(self, impl_ids: Iterable[str], origin: str) -> None:
+        """Record which plugin registered ``impl_ids`` (for `dsa-indexer info` and explain traces)."""
+        with self._lock:
+            for per_op in self._impls.values():
+                for impl_id in impl_ids:
+                    impl = per_op.get(impl_id)
+                    if impl is not None and impl.origin == "?":
+                        per_op[impl_id] = dataclasses.replace(impl, origin=origin)
+            self._invalidate()
+
+    def snapshot_ids(self) -> set[str]:
+        return {impl_id for per_op in self._impls.values() for impl_id in per_op}
+
+    def table(self, target: Target, problems: Mapping[str, Problem] | None = None) -> list[Resolution]:
+        """The resolution of every op on ``target`` (for `dsa-indexer info` and the arch-matrix tests)."""
+        problems = problems or {}
+        return [self.resolve(op, target, problems.get(op, Problem())) for op in self.ops()]

@@ -1,0 +1,338 @@
+"""`Indexer`: the model-facing module. Holds the weights under the checkpoint's names and runs one step.
+
+Every op goes through the registry and the step's schedule is a pipeline strategy resolved per target, so this
+file never names a vendor and does not change when a backend is added.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .batch import DecodeBatch, PrefillBatch
+from .cache import IndexKCache
+from .config import IndexerConfig
+from .dispatch.plugins import default_registry
+from .dispatch.problem import Problem, token_bucket
+from .dispatch.registry import Resolution
+from .dispatch.target import Target, target_of_tensor
+from .pipeline import PIPELINE_OP
+from .quant import Fp8GroupLayout, QuantizedActivation
+from .rope import cos_sin_table
+from .validate import IndexerInputError, tensor as check_tensor
+
+log = logging.getLogger("dsa_indexer")
+
+CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."
+DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of fp32 prefill logits materialized at once
+
+
+class BlockFp8Linear(nn.Module):
+    """A linear layer stored as fp8 e4m3 with one fp32 scale per 128x128 block (``weight_scale_inv``)."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, fp8_dtype=torch.float8_e4m3fn) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fp8_dtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(-(-out_features // 128), -(-in_features // 128), dtype=torch.float32, device=device),
+            requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.weight_scale_inv.repeat_interleave(128, 0)[: self.out_features]
+        scale = scale.repeat_interleave(128, 1)[:, : self.in_features]
+        return self.weight.float() * scale
+
+
+def quantize_block_fp8(weight: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [N, K] -> (fp8 [N, K], fp32 scales [N/128, K/128]) with one amax scale per 128x128 block."""
+    n, k = weight.shape
+    pad_n, pad_k = -n % 128, -k % 128
+    w = F.pad(weight.float(), (0, pad_k, 0, pad_n))
+    blocks = w.view(w.shape[0] // 128, 128, w.shape[1] // 128, 128)
+    fmax = 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / fmax
+    q = (blocks / scale[:, None, :, None]).clamp(-fmax, fmax).view_as(w)[:n, :k].to(fp8_dtype)
+    return q.contiguous(), scale.contiguous()
+
+
+def fn_to_fnuz(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reinterpret e4m3fn bits as e4m3fnuz (which reads every code as half the value) and double the scale.
+
+    The code 0x80 is -0 in fn but NaN in fnuz, so it becomes +0. This is how gfx942 consumes fn checkpoints.
+    """
+    bits = weight.view(torch.int8).clone()
+    bits[bits == -128] = 0
+    return bits.view(torch.float8_e4m3fnuz), scale * 2.0
+
+
+class Indexer(nn.Module):
+    """The DeepSeek lightning indexer of one layer.
+
+    ``forward(x, q_lora, positions, batch, cache, q_lora_quant=None)`` -> int32 [T, topk] request-local key
+    positions (compressed entry indices for V4's C4 indexer), -1 padded; `to_physical_slots` maps them to cache
+    slots. ``q_lora_quant`` is attention's fp8 copy of ``q_lora`` (see `dsa_indexer.quant`), reused for ``wq_b``
+    when its layout fits.
+    """
+
+    def __init__(self, config: IndexerConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, wq_b_fp8: bool = True, target: Target | str | None = None,
+                 logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        probe = torch.empty(0, device=device)
+        self._target_override = target
+        fp8 = self.target_for(probe).fp8_dtype
+        self.fp8_dtype = fp8
+        hd = config.n_heads * config.head_dim
+        self.wq_b: nn.Module = (BlockFp8Linear(config.q_lora_rank, hd, device, fp8) if wq_b_fp8
+                                else nn.Linear(config.q_lora_rank, hd, bias=False, device=device, dtype=dtype))
+        self.weights_proj = nn.Linear(config.hidden_size, config.n_heads, bias=False, device=device, dtype=dtype)
+        if config.compress_ratio == 1:
+            self.wk: nn.Linear | None = nn.Linear(config.hidden_size, config.head_dim, bias=False, device=device,
+                                                  dtype=dtype)
+            self.k_norm: nn.LayerNorm | None = nn.LayerNorm(config.head_dim, eps=config.norm_eps, device=device,
+                                                            dtype=dtype)
+        else:
+            self.wk = None  # V4: keys are produced by the model's compressor
+            self.k_norm = None
+        self.register_buffer("cos_sin", cos_sin_table(config.rope_dim, config.max_position, config.rope_theta,
+                                                      config.yarn, device), persistent=False)
+        self.logits_budget_bytes = logits_budget_bytes
+        self.reuse_stats: Counter[str] = Counter()
+        self.last_pipeline: Resolution | None = None
+
+    # --- weights ------------------------------------------------------------------------------------------
+    @property
+    def wq_b_is_block_fp8(self) -> bool:
+        return isinstance(self.wq_b, BlockFp8Linear)
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0) -> "Indexer":
+        """Seeded random weights at the checkpoint's scale (for demos, tests and benchmarks)."""
+        gen = torch.Generator().manual_seed(seed)
+        cfg = self.config
+
+        def rand(*shape, std):
+            return (torch.randn(*shape, generator=gen) * std)
+
+        wq = rand(cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, std=cfg.q_lora_rank ** -0.5)
+        if self.wq_b_is_block_fp8:
+            q, s = quantize_block_fp8(wq, self.fp8_dtype)
+            self.wq_b.weight.copy_(q)
+            self.wq_b.weight_scale_inv.copy_(s)
+        else:
+            self.wq_b.weight.copy_(wq)
+        self.weights_proj.weight.copy_(rand(cfg.n_heads, cfg.hidden_size, std=cfg.hidden_size ** -0.5))
+        if self.wk is not None:
+            self.wk.weight.copy_(rand(cfg.head_dim, cfg.hidden_size, std=cfg.hidden_size ** -0.5))
+            self.k_norm.weight.copy_(1 + 0.1 * rand(cfg.head_dim, std=1.0))
+            self.k_norm.bias.copy_(0.1 * rand(cfg.head_dim, std=1.0))
+        return self
+
+    @torch.no_grad()
+    def load_checkpoint(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> "Indexer":
+        """Load DeepSeek checkpoint tensors (keys ``<prefix>wq_b.weight`` ...). A ``wq_b.weight_scale_inv`` makes
+        ``wq_b`` block-fp8; an fp8 ``wk`` with its scale is dequantized (it is tiny). Missing or extra keys and
+        shape mismatches raise, naming the key."""
+        wanted = ["wq_b.weight", "weights_proj.weight"]
+        if self.wk is not None:
+            wanted += ["wk.weight", "k_norm.weight", "k_norm.bias"]
+        optional = {"wq_b.weight_scale_inv", "wk.weight_scale_inv"}
+        local = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        missing = [k for k in wanted if k not in local]
+        if missing:
+            raise KeyError(f"checkpoint is missing {', '.join(prefix + k for k in missing)}")
+        extra = sorted(set(local) - set(wanted) - optional)
+        if extra:
+            raise KeyError(f"unexpected checkpoint keys: {', '.join(prefix + k for k in extra)}")
+        cfg = self.config
+        device = self.cos_sin.device
+        wq = local["wq_b.weight"]
+        expect = (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)
+        if tuple(wq.shape) != expect:
+            raise ValueError(f"{prefix}wq_b.weight has shape {list(wq.shape)}, expected {list(expect)}")
+        if "wq_b.weight_scale_inv" in local:
+            layer = BlockFp8Linear(cfg.q_lora_rank, expect[0], device, self.fp8_dtype)
+            scale = local["wq_b.weight_scale_inv"].float()
+            if wq.dtype == torch.float8_e4m3fn and self.fp8_dtype == torch.float8_e4m3fnuz:
+                wq, scale = fn_to_fnuz(wq, scale)
+            layer.weight.copy_(wq.to(device))
+            if tuple(scale.shape) != tuple(layer.weight_scale_inv.shape):
+                raise ValueError(f"{prefix}wq_b.weight_scale_inv has shape {list(scale.shape)}, expected "
+                                 f"{list(layer.weight_scale_inv.shape)}")
+            layer.weight_scale_inv.copy_(scale)
+            self.wq_b = layer
+        else:
+            self.wq_b = nn.Linear(cfg.q_lora_rank, expect[0], bias=False, device=device, dtype=self.dtype)
+            self.wq_b.weight.copy_(wq)
+
+        def put(name: str, param: torch.Tensor, value: torch.Tensor) -> None:
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{prefix}{name} has shape {list(value.shape)}, expected {list(param.shape)}")
+            param.copy_(value)
+
+        put("weights_proj.weight", self.weights_proj.weight, local["weights_proj.weight"])
+        if self.wk is not None:
+            wk = local["wk.weight"]
+            if "wk.weight_scale_inv" in local:
+                tmp = BlockFp8Linear(cfg.hidden_size, cfg.head_dim, "cpu", wk.dtype)
+                tmp.weight.copy_(wk)
+                tmp.weight_scale_inv.copy_(local["wk.weight_scale_inv"].float())
+                wk = tmp.dequantize()
+            put("wk.weight", self.wk.weight, wk)
+            put("k_norm.weight", self.k_norm.weight, local["k_norm.weight"])
+            put("k_norm.bias", self.k_norm.bias, local["k_norm.bias"])
+        return self
+
+    @classmethod
+    def from_safetensors(cls, path: str | Path, layer: int, config: IndexerConfig | None = None, **kwargs
+                         ) -> "Indexer":
+        """Build the indexer of ``layer`` from a safetensors file (or a folder of them) of a DeepSeek checkpoint."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.exists() for f in files):
+            raise FileNotFoundError(f"no safetensors file at {path}")
+        prefix = CHECKPOINT_PREFIX.format(layer=layer)
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    if key.startswith(prefix):
+                        state[key] = handle.get_tensor(key)
+        if not state:
+            raise KeyError(f"no tensors under {prefix!r} in {path}")
+        config = config or IndexerConfig.deepseek_v32()
+        indexer = cls(config, wq_b_fp8="{}wq_b.weight_scale_inv".format(prefix) in state, **kwargs)
+        return indexer.load_checkpoint(state, prefix)
+
+    # --- resolution helpers -------------------------------------------------------------------------------
+    def target_for(self, t: torch.Tensor) -> Target:
+        from .dispatch.target import detect_target
+
+        if self._target_override is not None:
+            return detect_target(t.device, self._target_override)
+        return target_of_tensor(t)
+
+    def gemm_input_layout(self, q_lora: torch.Tensor) -> Fp8GroupLayout:
+        """The activation layout the resolved block-fp8 GEMM takes (what a reusable q_lora_quant must match)."""
+        w = self.wq_b.weight
+        problem = Problem(n=w.shape[0], k=w.shape[1], out=str(q_lora.dtype), fp8="fnuz" if
+                          self.fp8_dtype == torch.float8_e4m3fnuz else "fn")
+        res = default_registry().resolve("gemm_fp8_blockscale", target_of_tensor(q_lora), problem)
+        layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
+        return layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
+
+    def note_reuse(self, used: bool, reason: str | None) -> None:
+        """Count each q_lora_quant decision; a drop is logged at debug level with its reason."""
+        if used:
+            self.reuse_stats["reused"] += 1
+        else:
+            self.reuse_stats["dropped"] += 1
+            self.reuse_stats[f"dropped: {reason}"] += 1
+            log.debug("q_lora_quant dropped, re-quantizing from bf16: %s", reason)
+
+    def pipeline_resolution(self, x: torch.Tensor, decode: bool, has_quant: bool) -> Resolution:
+        problem = Problem(tokens=token_bucket(x.shape[0]), decode=decode, q_lora_quant=has_quant)
+        return default_registry().choose(PIPELINE_OP, target_of_tensor(x), problem)
+
+    # --- the step -----------------------------------------------------------------------------------------
+    def _check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
+        cfg = self.config
+        check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+        t = x.shape[0]
+        if x.shape[1] != cfg.hidden_size:
+            raise IndexerInputError(f"x must be [T, hidden_size={cfg.hidden_size}], got {list(x.shape)}")
+        check_tensor("q_lora", q_lora, dtype=x.dtype, shape=(t, cfg.q_lora_rank), device=x.device)
+        check_tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=x.device)
+        if not isinstance(batch, (DecodeBatch, PrefillBatch)):
+            raise IndexerInputError(f"batch must be a DecodeBatch or PrefillBatch, got {type(batch).__name__}")
+        if batch.num_tokens != t:
+            raise IndexerInputError(f"batch describes {batch.num_tokens} tokens but x has {t}")
+        if batch.compress_ratio != cfg.compress_ratio:
+            raise IndexerInputError(f"batch was built with compress_ratio={batch.compress_ratio}, the config says "
+                                    f"{cfg.compress_ratio}")
+        if not isinstance(cache, IndexKCache):
+            raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
+        if cache.device != x.device:
+            raise IndexerInputError(f"cache is on {cache.device} but x is on {x.device}")
+        if q_lora_quant is not None and not isinstance(q_lora_quant, QuantizedActivation):
+            raise IndexerInputError(f"q_lora_quant must be a QuantizedActivation, got {type(q_lora_quant).__name__}")
+        return t
+
+    def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
+                q_lora_quant: QuantizedActivation | None = None) -> torch.Tensor:
+        self._check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
+        decode = isinstance(batch, DecodeBatch)
+        res = self.pipeline_resolution(x, decode, q_lora_quant is not None)
+        self.last_pipeline = res
+        strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
+        slots = batch.slot_mapping if self.wk is not None else None
+        q_fp8, weights = strategy(self, x, q_lora, positions, slots, cache.data, q_lora_quant)
+        if decode:
+            return self._score_decode(q_fp8, weights, batch, cache)
+        return self._score_prefill(q_fp8, weights, batch, cache)
+
+    def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:
+        """Rows that see <= topk keys need no logits: the answer is every visible key, then -1."""
+        k = self.config.topk
+        idx = torch.arange(k, device=counts.device, dtype=torch.int32)
+        return torch.where(idx[None, :] < counts[:, None], idx[None, :], torch.full_like(idx, -1)[None, :])
+
+    def _score_decode(self, q_fp8, weights, batch: DecodeBatch, cache: IndexKCache) -> torch.Tensor:
+        k = self.config.topk
+        if batch.max_context_len <= k:
+            return self._all_visible(batch.context_lens.reshape(-1))
+        b, n = batch.batch_size, batch.next_n
+        q = q_fp8.view(b, n, self.config.n_heads, self.config.head_dim)
+        return ops.lightning_indexer(q, cache.data, weights, batch.context_lens, batch.block_table,
+                                     batch.max_context_len, k)
+
+    def _score_prefill(self, q_fp8, weights, batch: PrefillBatch, cache: IndexKCache) -> torch.Tensor:
+        k = self.config.topk
+        if batch.max_keys_per_row <= k:
+            return self._all_visible(batch.ke - batch.ks)
+        keys, key_scales = cache.gather(batch.gather_slots)
+        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q_fp8.device)
+        ks_host, ke_host = batch.ks.cpu(), batch.ke.cpu()
+        rows = batch.num_tokens
+        start = 0
+        while start < rows:
+            # Grow the chunk while its [rows, keys] fp32 logits stay under the budget (at least one row).
+            stop = start + 1
+            lo, hi = int(ks_host[start]), int(ke_host[start])
+            while stop < rows:
+                nlo, nhi = min(lo, int(ks_host[stop])), max(hi, int(ke_host[stop]))
+                if (stop + 1 - start) * (nhi - nlo) * 4 > self.logits_budget_bytes:
+                    break
+                lo, hi, stop = nlo, nhi, stop + 1
+            ks = batch.ks[start:stop] - lo
+            ke = batch.ke[start:stop] - lo
+            logits = ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], key_scales[lo:hi], weights[start:stop],
+                                           ks, ke)
+            out[start:stop] = ops.topk_indices(logits, k, ke, ks)
+            start = stop
+        return out
+
+    def to_physical_slots(self, indices: torch.Tensor, batch: DecodeBatch | PrefillBatch) -> torch.Tensor:
+        """Request-local positions -> cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays -1."""
+        from .backends.reference.kernels import indices_to_slots
+
+        return indices_to_slots(indices, batch.block_table, batch.row_request)
+
+    def extra_repr(self) -> str:
+        return f"{self.config.name}, wq_b={'block-fp8' if self.wq_b_is_block_fp8 else 'bf16'}"
+

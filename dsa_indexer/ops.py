@@ -1,0 +1,399 @@
+"""The public ops: validate, describe the problem, let the registry pick the implementation, run it.
+
+Each op is also a `torch.library` custom op ``dsa_indexer::<op>`` with a fake (meta) implementation, so a model
+that calls the indexer can be traced by `torch.compile`; resolution then runs inside the op at run time
+(cached), never at trace time. In eager mode the public functions call the registry directly, which keeps
+the per-call overhead to a dict lookup (see benchmarks/dispatch_overhead.py).
+
+Shapes: T tokens, H index heads, D = 128 head dim, B requests, N = next_n, K = q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import validate as v
+from .cache import PAGE_SIZE, check_kv_cache
+from .dispatch.plugins import default_registry
+from .dispatch.problem import Problem
+from .dispatch.target import target_of_tensor
+from .quant import Fp8GroupLayout, QuantizedActivation
+
+OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
+       "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer")
+NORMS = ("layernorm", "rmsnorm", "none")
+
+_problem = functools.lru_cache(maxsize=4096)(lambda **facts: Problem(**facts))
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _run(op: str, anchor: torch.Tensor, problem: Problem, *args):
+    return default_registry().call(op, target_of_tensor(anchor), problem, *args)
+
+
+def _fp8_name(dtype: torch.dtype) -> str:
+    return "fnuz" if dtype == torch.float8_e4m3fnuz else "fn"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# quant_fp8_groups
+@torch.library.custom_op("dsa_indexer::quant_fp8_groups", mutates_args=())
+def _quant_fp8_groups_op(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = _problem(group_size=group_size, ue8m0=ue8m0, fp8=_fp8_name(fp8_dtype), width=x.shape[-1])
+    return _run("quant_fp8_groups", x, problem, x, group_size, ue8m0, fp8_dtype)
+
+
+@_quant_fp8_groups_op.register_fake
+def _(x, group_size, ue8m0, fp8_dtype):
+    return (torch.empty_like(x, dtype=fp8_dtype),
+            x.new_empty((*x.shape[:-1], x.shape[-1] // group_size), dtype=torch.float32))
+
+
+def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = False,
+                     fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group fp8 e4m3 quantization along the last dim: ``(x_fp8 like x, scales [..., N // group_size] f32)``.
+
+    ``s = max(|group|, 1e-4) / fp8_max`` (448 for e4m3fn, 224 for e4m3fnuz), rounded up to a power of two when
+    ``ue8m0``; ``x_fp8 = clamp(x / s)``. ``fp8_dtype`` defaults to the target's (e4m3fnuz on gfx942).
+    """
+    v.tensor("x", x, dtype=v.ACT_DTYPES)
+    v.positive_int("group_size", group_size)
+    if x.dim() == 0 or x.shape[-1] % group_size:
+        raise v.IndexerInputError(f"x's last dim ({list(x.shape)}) must be a multiple of group_size={group_size}")
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(x).fp8_dtype)
+    if _compiling():
+        return torch.ops.dsa_indexer.quant_fp8_groups(x, group_size, ue8m0, fp8)
+    return _quant_fp8_groups_op._init_fn(x, group_size, ue8m0, fp8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rmsnorm_quant_fp8
+@torch.library.custom_op("dsa_indexer::rmsnorm_quant_fp8", mutates_args=())
+def _rmsnorm_quant_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
+                          fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    problem = _problem(group_size=group_size, ue8m0=ue8m0, fp8=_fp8_name(fp8_dtype), width=x.shape[-1])
+    return _run("rmsnorm_quant_fp8", x, problem, x, weight, eps, group_size, ue8m0, fp8_dtype)
+
+
+@_rmsnorm_quant_fp8_op.register_fake
+def _(x, weight, eps, group_size, ue8m0, fp8_dtype):
+    return (torch.empty_like(x), torch.empty_like(x, dtype=fp8_dtype),
+            x.new_empty((x.shape[0], x.shape[1] // group_size), dtype=torch.float32))
+
+
+def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
+                      ue8m0: bool = False, fp8_dtype: torch.dtype | None = None
+                      ) -> tuple[torch.Tensor, QuantizedActivation]:
+    """Fused RMSNorm + fp8 group quant: ``(normed [T, N] in x's dtype, QuantizedActivation of normed)``.
+
+    The fp8 copy quantizes the rounded ``normed`` tensor that is returned, so feeding it to the indexer as
+    ``q_lora_quant`` gives bit-identical results to letting the indexer quantize ``normed`` itself.
+    """
+    v.tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+    v.tensor("weight", weight, shape=(x.shape[1],), device=x.device)
+    v.positive_int("group_size", group_size)
+    if x.shape[1] % group_size:
+        raise v.IndexerInputError(f"x's width {x.shape[1]} must be a multiple of group_size={group_size}")
+    if not eps > 0:
+        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(x).fp8_dtype)
+    fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_op._init_fn
+    normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8)
+    layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8)
+    return normed, QuantizedActivation(x_fp8, scales, layout)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# q_prologue
+def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch.device) -> None:
+    v.tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, device=device)
+    rope_dim = cos_sin.shape[1]
+    if rope_dim % 2 or rope_dim <= 0 or rope_offset < 0 or rope_offset + rope_dim > dim:
+        raise v.IndexerInputError(f"cos_sin width {rope_dim} at rope_offset {rope_offset} must be even and fit in "
+                                  f"head dim {dim}")
+
+
+@torch.library.custom_op("dsa_indexer::q_prologue", mutates_args=())
+def _q_prologue_op(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                   weight_scale: float, rope_offset: int, interleaved: bool, ue8m0: bool, fp8_dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = _problem(heads=q.shape[1], dim=q.shape[2], rope_dim=cos_sin.shape[1], interleaved=interleaved,
+                       ue8m0=ue8m0, fp8=_fp8_name(fp8_dtype))
+    return _run("q_prologue", q, problem, q, positions, cos_sin, head_weights, weight_scale, rope_offset,
+                interleaved, ue8m0, fp8_dtype)
+
+
+@_q_prologue_op.register_fake
+def _(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, ue8m0, fp8_dtype):
+    return torch.empty_like(q, dtype=fp8_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+               weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
+               fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE + Hadamard + per-head fp8 quant of q ``[T, H, D]``; folds the q scale into the head weights.
+
+    Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * q_scale)``.
+    RoPE rotates dims ``[rope_offset, rope_offset + cos_sin.shape[1])``: NeoX pairs (V3.2, offset 0) or
+    interleaved pairs (V4, trailing dims). ``head_weights`` is the raw ``weights_proj(x)`` output.
+    """
+    v.tensor("q", q, dtype=v.ACT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    if d & (d - 1):
+        raise v.IndexerInputError(f"q's head dim must be a power of two for the Hadamard rotation, got {d}")
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
+    _check_rope(cos_sin, d, rope_offset, q.device)
+    v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(q).fp8_dtype)
+    fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_op._init_fn
+    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# k_prologue_store
+@torch.library.custom_op("dsa_indexer::k_prologue_store", mutates_args=("kv_cache",))
+def _k_prologue_store_op(k: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+                         eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
+                         fp8_dtype: torch.dtype, norm: str) -> None:
+    problem = _problem(dim=k.shape[1], rope_dim=cos_sin.shape[1], interleaved=interleaved, norm=norm, ue8m0=ue8m0,
+                       fp8=_fp8_name(fp8_dtype))
+    _run("k_prologue_store", k, problem, k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
+         rope_offset, interleaved, ue8m0, fp8_dtype, norm)
+
+
+@_k_prologue_store_op.register_fake
+def _(k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved, ue8m0,
+      fp8_dtype, norm):
+    return None
+
+
+def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+                     positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, *, rope_offset: int = 0, interleaved: bool = False,
+                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm") -> None:
+    """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
+
+    ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight) or "none" (V4 compressed keys,
+    already normed by the model's compressor). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
+    """
+    v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
+    t, d = k.shape
+    if d != 128:
+        raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
+    if norm not in NORMS:
+        raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "none":
+        v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
+    if norm == "layernorm":
+        v.tensor("norm_bias", norm_bias, shape=(d,), device=k.device)
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    _check_rope(cos_sin, d, rope_offset, k.device)
+    check_kv_cache(kv_cache)
+    v.tensor("kv_cache", kv_cache, device=k.device)
+    v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    v.in_range("slot_mapping", slot_mapping, -1, kv_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(k).fp8_dtype)
+    fn = torch.ops.dsa_indexer.k_prologue_store if _compiling() else _k_prologue_store_op._init_fn
+    fn(k, norm_weight, norm_bias, float(eps), positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved,
+       ue8m0, fp8, norm)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gemm_fp8_blockscale
+@torch.library.custom_op("dsa_indexer::gemm_fp8_blockscale", mutates_args=())
+def _gemm_fp8_blockscale_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    problem = _problem(n=b.shape[0], k=b.shape[1], out=str(out_dtype), fp8=_fp8_name(a.dtype))
+    return _run("gemm_fp8_blockscale", a, problem, a, a_scales, b, b_scales, out_dtype)
+
+
+@_gemm_fp8_blockscale_op.register_fake
+def _(a, a_scales, b, b_scales, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(a * a_scales) @ (b * b_scales).T``: a [M, K] fp8 with per-token-group-128 scales [M, K/128],
+    b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``."""
+    v.tensor("a", a, dtype=v.FP8_DTYPES, ndim=2)
+    m, kdim = a.shape
+    groups = -(-kdim // 128)
+    v.tensor("a_scales", a_scales, dtype=torch.float32, shape=(m, groups), device=a.device)
+    v.tensor("b", b, dtype=a.dtype, ndim=2, device=a.device)
+    if b.shape[1] != kdim:
+        raise v.IndexerInputError(f"b must have K={kdim} columns like a, got shape {list(b.shape)}")
+    v.tensor("b_scales", b_scales, dtype=torch.float32, shape=(-(-b.shape[0] // 128), groups), device=a.device)
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise v.IndexerInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    fn = torch.ops.dsa_indexer.gemm_fp8_blockscale if _compiling() else _gemm_fp8_blockscale_op._init_fn
+    return fn(a, a_scales, b, b_scales, out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ragged_mqa_logits
+@torch.library.custom_op("dsa_indexer::ragged_mqa_logits", mutates_args=())
+def _ragged_mqa_logits_op(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    problem = _problem(heads=q.shape[1], dim=q.shape[2], fp8=_fp8_name(q.dtype))
+    return _run("ragged_mqa_logits", q, problem, q, k, k_scales, weights, ks, ke)
+
+
+@_ragged_mqa_logits_op.register_fake
+def _(q, k, k_scales, weights, ks, ke):
+    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
+
+
+def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                      ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
+    ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
+    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
+    v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=3)
+    s, h, d = q.shape
+    v.tensor("k", k, dtype=q.dtype, shape=(None, d), device=q.device)
+    n = k.shape[0]
+    v.tensor("k_scales", k_scales, dtype=torch.float32, shape=(n,), device=q.device)
+    v.tensor("weights", weights, dtype=torch.float32, shape=(s, h), device=q.device)
+    v.tensor("ks", ks, dtype=torch.int32, shape=(s,), device=q.device)
+    v.tensor("ke", ke, dtype=torch.int32, shape=(s,), device=q.device)
+    v.in_range("ks", ks, 0, n + 1, "key rows")
+    v.in_range("ke", ke, 0, n + 1, "key rows")
+    if v.ranges_checked(ks) and s and bool((ke < ks).any()):
+        raise v.IndexerInputError("ke must be >= ks on every row")
+    fn = torch.ops.dsa_indexer.ragged_mqa_logits if _compiling() else _ragged_mqa_logits_op._init_fn
+    return fn(q, k, k_scales, weights, ks, ke)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# paged_mqa_logits
+@torch.library.custom_op("dsa_indexer::paged_mqa_logits", mutates_args=())
+def _paged_mqa_logits_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    problem = _problem(heads=q.shape[2], dim=q.shape[3], next_n=q.shape[1], fp8=_fp8_name(q.dtype))
+    return _run("paged_mqa_logits", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len)
+
+
+@_paged_mqa_logits_op.register_fake
+def _(q, kv_cache, weights, context_lens, block_table, max_context_len):
+    return q.new_empty((q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32)
+
+
+def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len) -> None:
+    v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=4)
+    b, n, h, d = q.shape
+    if d != 128:
+        raise v.IndexerInputError(f"q's head dim must be 128 (the cache layout's), got {d}")
+    check_kv_cache(kv_cache)
+    v.tensor("kv_cache", kv_cache, device=q.device)
+    v.tensor("weights", weights, dtype=torch.float32, shape=(b * n, h), device=q.device)
+    v.tensor("context_lens", context_lens, dtype=torch.int32, shape=(b, n), device=q.device)
+    v.tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=q.device)
+    if block_table.shape[0] != b:
+        raise v.IndexerInputError(f"block_table must have one row per request ({b}), got shape {list(block_table.shape)}")
+    v.positive_int("max_context_len", max_context_len)
+    capacity = block_table.shape[1] * PAGE_SIZE
+    if max_context_len > capacity:
+        raise v.IndexerInputError(f"max_context_len {max_context_len} exceeds the block table's capacity "
+                                  f"{block_table.shape[1]} pages x {PAGE_SIZE} = {capacity}")
+    v.in_range("context_lens", context_lens, 0, max_context_len + 1, "max_context_len")
+    if v.ranges_checked(block_table):
+        needed = (context_lens.max(dim=1).values.long() + PAGE_SIZE - 1) // PAGE_SIZE
+        used = torch.arange(block_table.shape[1], device=q.device)[None, :] < needed[:, None]
+        entries = block_table[used]
+        v.in_range("block_table", entries, 0, kv_cache.shape[0], "cache pages, for the pages a context uses")
+
+
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                     block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    """Decode logits over the paged cache: q [B, N, H, 128] fp8, kv_cache uint8 [pages, 64, 1, 132],
+    weights [B*N, H] f32, context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
+    block_table [B, max_pages] int32. Returns [B*N, max_context_len] f32, -inf past each row's length."""
+    _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    fn = torch.ops.dsa_indexer.paged_mqa_logits if _compiling() else _paged_mqa_logits_op._init_fn
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# topk_indices
+@torch.library.custom_op("dsa_indexer::topk_indices", mutates_args=())
+def _topk_indices_op(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
+                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor]) -> torch.Tensor:
+    problem = _problem(k=k, slots=block_table is not None, starts=starts is not None)
+    return _run("topk_indices", logits, problem, logits, k, ends, starts, block_table, row_request)
+
+
+@_topk_indices_op.register_fake
+def _(logits, k, ends, starts, block_table, row_request):
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
+def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+    """The k largest logits of each row among columns ``[starts, ends)`` (starts default 0): int32 [R, k].
+
+    Values are positions relative to the row's start (request-local), -1 padded when a row has fewer than k
+    visible columns; ties go to the lower index. With ``block_table`` [B, max_pages] (and ``row_request`` [R]
+    mapping rows to requests, default row r -> request r) the positions become physical cache slots.
+    """
+    v.tensor("logits", logits, dtype=torch.float32, ndim=2)
+    r, c = logits.shape
+    v.positive_int("k", k)
+    v.tensor("ends", ends, dtype=torch.int32, shape=(r,), device=logits.device)
+    v.in_range("ends", ends, 0, c + 1, "logits columns")
+    if starts is not None:
+        v.tensor("starts", starts, dtype=torch.int32, shape=(r,), device=logits.device)
+        v.in_range("starts", starts, 0, c + 1, "logits columns")
+        if v.ranges_checked(starts) and r and bool((ends < starts).any()):
+            raise v.IndexerInputError("ends must be >= starts on every row")
+    if row_request is not None and block_table is None:
+        raise v.IndexerInputError("row_request is only meaningful together with block_table")
+    if block_table is not None:
+        v.tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=logits.device)
+        if row_request is None:
+            if block_table.shape[0] != r:
+                raise v.IndexerInputError(f"block_table needs one row per logits row ({r}) when row_request is not "
+                                          f"given, got shape {list(block_table.shape)}")
+        else:
+            v.tensor("row_request", row_request, dtype=torch.int32, shape=(r,), device=logits.device)
+            v.in_range("row_request", row_request, 0, block_table.shape[0], "block_table rows")
+        width = (ends - (starts if starts is not None else 0)) if v.ranges_checked(ends) else None
+        if width is not None and r and int(width.max()) > block_table.shape[1] * PAGE_SIZE:
+            raise v.IndexerInputError(f"a row sees {int(width.max())} keys but block_table maps only "
+                                      f"{block_table.shape[1] * PAGE_SIZE} positions")
+    fn = torch.ops.dsa_indexer.topk_indices if _compiling() else _topk_indices_op._init_fn
+    return fn(logits, k, ends, starts, block_table, row_request)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# lightning_indexer (fused paged logits + top-k, for backends that have one)
+@torch.library.custom_op("dsa_indexer::lightning_indexer", mutates_args=())
+def _lightning_indexer_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                          block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+    problem = _problem(heads=q.shape[2], dim=q.shape[3], next_n=q.shape[1], k=k, fp8=_fp8_name(q.dtype))
+    return _run("lightning_indexer", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len, k)
+
+
+@_lightning_indexer_op.register_fake
+def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k):
+    return q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32)
+
+
+def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                      block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+    """Paged logits + top-k in one op: int32 [B*N, k] request-local positions, -1 padded (same contract as
+    `paged_mqa_logits` followed by `topk_indices` with ends = context_lens)."""
+    _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    v.positive_int("k", k)
+    fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_op._init_fn
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k)

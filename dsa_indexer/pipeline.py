@@ -1,0 +1,88 @@
+"""Pipeline strategies: how the steps of one indexer call are scheduled before the logits.
+
+The steps themselves (project q, fold head weights, project + store k) are shared; a strategy only decides
+their order and streams. Strategies are resolved through the registry as the op ``indexer_pipeline`` per
+target and problem class, so adding one (dual-stream on CUDA, say) is one registration and `Indexer` never
+changes. Every strategy must give bit-identical results to `single_stream`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from . import ops
+from .quant import QuantizedActivation, reuse_rejection
+
+if TYPE_CHECKING:
+    from .indexer import Indexer
+
+log = logging.getLogger("dsa_indexer")
+
+PIPELINE_OP = "indexer_pipeline"
+
+
+class PipelineStrategy(Protocol):
+    def __call__(self, indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                 q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the q and k paths; store k in ``kv_cache``; return (q_fp8 [T, H, D], weights [T, H] f32)."""
+
+
+def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedActivation | None) -> torch.Tensor:
+    """``wq_b(q_lora)`` -> [T, H * D]; reuses ``q_lora_quant`` when its layout fits the GEMM, else re-quantizes."""
+    wq_b = indexer.wq_b
+    if not indexer.wq_b_is_block_fp8:
+        if q_lora_quant is not None:
+            indexer.note_reuse(False, reuse_rejection(q_lora_quant, q_lora, False))
+        return F.linear(q_lora, wq_b.weight)
+    wanted = indexer.gemm_input_layout(q_lora)
+    quant = None
+    if q_lora_quant is not None:
+        reason = reuse_rejection(q_lora_quant, q_lora, True, wanted)
+        indexer.note_reuse(reason is None, reason)
+        if reason is None:
+            quant = (q_lora_quant.data, q_lora_quant.scales)
+    if quant is None:
+        quant = ops.quant_fp8_groups(q_lora, wanted.group_size, ue8m0=wanted.ue8m0, fp8_dtype=wanted.fp8_dtype)
+    return ops.gemm_fp8_blockscale(quant[0], quant[1], wq_b.weight, wq_b.weight_scale_inv, q_lora.dtype)
+
+
+def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+           q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = indexer.config
+    head_weights = F.linear(x, indexer.weights_proj.weight)
+    q = project_q(indexer, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
+    return ops.q_prologue(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, rope_offset=cfg.rope_offset,
+                          interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype)
+
+
+def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | None,
+           kv_cache: torch.Tensor) -> None:
+    """Project, normalize, rotate, quantize and store this step's keys (V3.2). V4 keys come from the compressor."""
+    if slot_mapping is None or indexer.wk is None:
+        return
+    cfg = indexer.config
+    k = F.linear(x, indexer.wk.weight)
+    norm_w = indexer.k_norm.weight if indexer.k_norm is not None else None
+    norm_b = indexer.k_norm.bias if indexer.k_norm is not None else None
+    ops.k_prologue_store(k, norm_w, norm_b, cfg.norm_eps, positions, indexer.cos_sin, kv_cache, slot_mapping,
+                         rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0,
+                         fp8_dtype=indexer.fp8_dtype, norm=cfg.k_norm)
+
+
+def single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant):
+    """Everything in order on the current stream: k first (a decode token must see itself), then q."""
+    k_path(indexer, x, positions, slot_mapping, kv_cache)
+    return q_path(indexer, x, q_lora, positions, q_lora_quant)
+
+
+def register_single_stream(registry) -> None:
+    def factory() -> Callable:
+        return single_stream
+
+    registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.reference.single_stream", targets=("*",),
+                            priority=0, description="all steps in order on the current stream")(factory)

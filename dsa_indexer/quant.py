@@ -1,0 +1,78 @@
+"""A pre-quantized activation (fp8 data + fp32 scales + the layout it was made with).
+
+Attention usually quantizes the normed ``q_lora`` for its own ``wq_b`` already; the indexer's ``wq_b`` takes the
+same input with the same block-fp8 recipe, so it can reuse that tensor and skip one quant launch. Reuse is
+only safe when the layout matches what the resolved GEMM implementation accepts; `Fp8GroupLayout` is
+the tag that lets the indexer decide, and `reuse_rejection` says why not when it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PRODUCER_ROUNDED = "bf16_rounded"  # quantized the bf16 tensor that was returned (the library's producers)
+PRODUCER_UNROUNDED = "fp32_unrounded"  # quantized before rounding to bf16 (aiter's fused kernel); may differ by 1 ulp
+
+
+@dataclass(frozen=True)
+class Fp8GroupLayout:
+    """How an fp8 activation was quantized.
+
+    group_size: elements per scale along the last dim. ue8m0: scales are powers of two.
+    scale_major: "row" (scales [rows, groups] row-major) or "mn" (column-major, TMA-aligned for DeepGEMM).
+    packed_scales: scales packed 4 x ue8m0 per int32 (Blackwell DeepGEMM). rows: the number of valid rows.
+    producer: PRODUCER_ROUNDED or PRODUCER_UNROUNDED.
+    """
+
+    group_size: int = 128
+    ue8m0: bool = False
+    scale_major: str = "row"
+    packed_scales: bool = False
+    rows: int = 0
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    producer: str = PRODUCER_ROUNDED
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """fp8 ``data`` [rows, K], fp32 ``scales`` [rows, K // group_size], and their ``layout``."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    layout: Fp8GroupLayout
+
+    def __iter__(self):  # allows ``x_fp8, scales, layout = q_lora_quant``
+        return iter((self.data, self.scales, self.layout))
+
+
+# What the library's block-fp8 GEMMs take: per-token groups of 128, plain fp32 row-major scales.
+GEMM_INPUT_LAYOUT = Fp8GroupLayout()
+
+
+def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_block_fp8: bool,
+                    wanted: Fp8GroupLayout = GEMM_INPUT_LAYOUT) -> str | None:
+    """None when ``quant`` can feed ``wq_b`` in place of quantizing ``q_lora``; else the drop reason."""
+    if not wq_b_is_block_fp8:
+        return "wq_b is not block-fp8 128x128 (bf16 weights take the bf16 q_lora)"
+    lay = quant.layout
+    rows = q_lora.shape[0]
+    if quant.data.shape[0] != rows or lay.rows != rows:
+        kind = "trimmed" if min(quant.data.shape[0], lay.rows) < rows else "padded"
+        return f"rows {kind}: q_lora_quant has {quant.data.shape[0]} rows (layout says {lay.rows}), q_lora has {rows}"
+    if quant.data.shape[1] != q_lora.shape[1]:
+        return f"width mismatch: q_lora_quant has {quant.data.shape[1]} columns, q_lora has {q_lora.shape[1]}"
+    if lay.packed_scales:
+        return "scales are packed ue8m0 (Blackwell layout); this GEMM takes fp32 scales"
+    if lay.ue8m0 != wanted.ue8m0:
+        return f"scales are {'ue8m0' if lay.ue8m0 else 'plain fp32'}, the GEMM recipe wants {'ue8m0' if wanted.ue8m0 else 'plain fp32'}"
+    if lay.group_size != wanted.group_size:
+        return f"group size {lay.group_size}, the GEMM wants {wanted.group_size}"
+    if lay.scale_major != wanted.scale_major:
+        return f"scales are {lay.scale_major}-major, the GEMM wants {wanted.scale_major}-major"
+    if lay.fp8_dtype != wanted.fp8_dtype:
+        return f"fp8 type {lay.fp8_dtype}, this target's GEMM takes {wanted.fp8_dtype}"
+    if quant.data.device != q_lora.device:
+        return f"q_lora_quant is on {quant.data.device}, q_lora on {q_lora.device}"
+    return None
