@@ -84,5 +84,5 @@ def register_single_stream(registry) -> None:
     def factory() -> Callable:
         return single_stream
 
-    registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.reference.single_stream", targets=("*",),
+    registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.single_stream", targets=("*",),
                             priority=0, description="all steps in order on the current stream")(factory)

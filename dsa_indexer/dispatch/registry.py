@@ -155,6 +155,7 @@ class Registry:
         self._overrides = _Overrides()
         self.environment = environment or Environment()
         self.plugins_loaded: list[str] = []
+        self.used: dict[tuple, Resolution] = {}  # every (op, target, problem) resolved for a call so far
         self.plugins_failed: list[str] = []
 
     # --- registration -------------------------------------------------------------------------
@@ -326,6 +327,7 @@ class Registry:
         if fn is None:
             res = self.choose(op, target, problem)
             fn = self._factory_result(res.chosen)
+            self.used[key] = res
             self._fn_cache[key] = fn
         return fn
 

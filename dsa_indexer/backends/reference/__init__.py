@@ -24,6 +24,11 @@ def dsa_indexer_register(registry: Registry) -> None:
     for op in REFERENCE_OPS:
         registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
                                 description="pure torch, any device")(_factory(op))
+    # Composition of the dispatched logits and top-k ops: above the pure-torch oracle, below any fused kernel.
+    registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
+                            priority=REFERENCE_PRIORITY + 1,
+                            description="paged_mqa_logits then topk_indices, each resolved on its own"
+                            )(_factory("lightning_indexer_composed"))
     from ...pipeline import register_single_stream
 
     register_single_stream(registry)

@@ -206,5 +206,17 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                       block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+    """Pure-torch paged logits, then pure-torch top-k (the oracle of fused implementations)."""
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     return topk_indices(logits, k, context_lens.reshape(-1))
+
+
+def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                               context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                               k: int) -> torch.Tensor:
+    """Paged logits then top-k, each through the registry: the best logits kernel and the best top-k of the
+    target combine (DeepGEMM logits + Triton top-k, say) wherever no backend has a fused kernel."""
+    from ... import ops
+
+    logits = ops._paged_mqa_logits_op._init_fn(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, None, None)

@@ -27,7 +27,6 @@ KERNELS = {
     "ragged_mqa_logits": ("logits", "ragged_mqa_logits"),
     "paged_mqa_logits": ("logits", "paged_mqa_logits"),
     "topk_indices": ("topk", "topk_indices"),
-    "lightning_indexer": ("topk", "lightning_indexer"),
 }
 
 

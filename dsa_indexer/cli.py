@@ -1,0 +1,173 @@
+"""`dsa-indexer`: info (what is here), explain (why an implementation was chosen), run (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from . import __version__
+from .dispatch.plugins import default_registry
+from .dispatch.problem import Problem
+from .dispatch.target import detect_target, parse_target
+
+DEFAULT_PROBLEMS = {
+    "q_prologue": dict(heads=64, dim=128, rope_dim=64, interleaved=False, ue8m0=True, fp8="fn"),
+    "k_prologue_store": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", ue8m0=True, fp8="fn"),
+    "paged_mqa_logits": dict(heads=64, dim=128, next_n=1, fp8="fn"),
+    "ragged_mqa_logits": dict(heads=64, dim=128, fp8="fn"),
+    "lightning_indexer": dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"),
+    "topk_indices": dict(k=2048, slots=False, starts=False),
+    "gemm_fp8_blockscale": dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn"),
+    "quant_fp8_groups": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
+    "rmsnorm_quant_fp8": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
+    "indexer_pipeline": dict(tokens=32, decode=True, q_lora_quant=False),
+}
+
+
+def _problem_for(op: str, target, overrides: dict) -> Problem:
+    facts = dict(DEFAULT_PROBLEMS.get(op, {}))
+    if "fp8" in facts and target.arch == "gfx942":
+        facts["fp8"] = "fnuz"
+    facts.update(overrides)
+    return Problem(**facts)
+
+
+def _parse_facts(items: Sequence[str]) -> dict:
+    facts = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--problem entries must read key=value, got {item!r}")
+        low = value.lower()
+        facts[key] = True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() else value
+    return facts
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"dsa_indexer": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    for dist in ("triton", "pluggy", "deep_gemm", "sgl-deep-gemm", "amd-aiter", "torch_npu"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def cmd_info(args) -> int:
+    registry = default_registry()
+    target = detect_target(override=args.target)
+    print(f"dsa_indexer {__version__}")
+    print(f"target: {target} (vendor {target.vendor}, fp8 {str(target.fp8_dtype).replace('torch.', '')})"
+          + ("  [simulated]" if args.target or os.environ.get("DSA_INDEXER_TARGET") else ""))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items() if v))
+    print("not installed: " + ", ".join(k for k, v in _versions().items() if not v))
+    print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
+    print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
+    print(f"\nresolution on {target}:")
+    for op in registry.ops():
+        res = registry.resolve(op, target, _problem_for(op, target, {}))
+        chosen = res.chosen.impl_id if res.chosen else "NONE"
+        note = "  (reference fallback)" if res.is_fallback else ""
+        print(f"  {op:<22} -> {chosen}{note}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    registry = default_registry()
+    target = detect_target(override=args.target)
+    ops = registry.ops() if args.op == "all" else [args.op]
+    for op in ops:
+        if op not in registry.ops():
+            print(f"unknown op {op!r}; known ops: {', '.join(registry.ops())}", file=sys.stderr)
+            return 2
+        print(registry.resolve(op, target, _problem_for(op, target, _parse_facts(args.problem))).explain())
+        print()
+    return 0
+
+
+class _Progress:
+    """One updating line on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.tty = total, label, sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.last_decile = -1
+
+    def update(self, done: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done) if done else 0.0
+        text = f"{self.label}: {done}/{self.total} ({elapsed:.1f}s, eta {eta:.1f}s)"
+        if self.tty:
+            print("\r" + text, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+        elif done * 10 // self.total != self.last_decile:
+            self.last_decile = done * 10 // self.total
+            print(text, file=sys.stderr, flush=True)
+
+
+def cmd_run(args) -> int:
+    from .runner import RunSettings, run_main_job
+
+    if args.target:
+        os.environ["DSA_INDEXER_TARGET"] = str(parse_target(args.target))
+    settings = RunSettings(model=args.model, device=args.device, batch=args.batch, context=args.context,
+                           steps=args.steps, prefill_tokens=args.prefill_tokens, next_n=args.next_n, seed=args.seed,
+                           verify=not args.no_verify)
+    report = run_main_job(settings, progress=_Progress)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=2, default=str)
+    return 0 if report["verified"] in (True, None) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsa-indexer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"dsa-indexer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="detected target, versions, plugins, the resolution of every op")
+    info.add_argument("--target", help="simulate a target (sm90, sm100, gfx942, gfx950, gfx1250, npu, cpu)")
+    info.set_defaults(func=cmd_info)
+
+    explain = sub.add_parser("explain", help="the full resolution trace of an op ('all' for every op)")
+    explain.add_argument("op", help="op name, e.g. paged_mqa_logits, or 'all'")
+    explain.add_argument("--target", help="simulate a target (sm90, sm100, gfx942, gfx950, gfx1250, npu, cpu)")
+    explain.add_argument("--problem", nargs="*", default=[], metavar="KEY=VALUE",
+                         help="problem facts, e.g. heads=32 next_n=2 (defaults: the V3.2 decode shape)")
+    explain.set_defaults(func=cmd_explain)
+
+    run = sub.add_parser("run", help="run the default indexer on synthetic decode and prefill batches, verify, time")
+    run.add_argument("--model", default="deepseek-v3.2", choices=("deepseek-v3.2", "deepseek-v4-flash"))
+    run.add_argument("--target", help="simulate a target for resolution (kernels still run on --device)")
+    run.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
+    run.add_argument("--batch", type=int, default=None, help="decode requests (default 32 on GPU, 4 on CPU)")
+    run.add_argument("--context", type=int, default=None, help="tokens per request (default 8192 GPU, 4096 CPU)")
+    run.add_argument("--steps", type=int, default=None, help="decode steps to time (default 20 GPU, 3 CPU)")
+    run.add_argument("--prefill-tokens", type=int, default=None, help="new tokens of the prefill request")
+    run.add_argument("--next-n", type=int, default=1, help="query tokens per request per step (MTP verify: 2)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--no-verify", action="store_true", help="skip the check against the reference backend")
+    run.add_argument("--json", help="also write the report to this file")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"dsa-indexer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
