@@ -1,0 +1,95 @@
+"""Plugins: the example backend installed through its entry point, and broken plugins reported, not fatal."""
+
+import sys
+import types
+from importlib import metadata
+
+import pytest
+import torch
+
+from dsa_indexer.dispatch import Environment, Problem, Registry, Target, hookimpl, load_plugins
+from dsa_indexer.dispatch import plugins as plugin_module
+
+
+def _example_entry_point():
+    found = [ep for ep in metadata.entry_points(group="dsa_indexer.backends") if ep.name == "example"]
+    if not found:
+        pytest.fail("the example plugin is not installed: run `pip install -e tests/plugins/example_backend` "
+                    "(the README's test command does)")
+    return found[0]
+
+
+def test_example_plugin_is_installed_through_its_entry_point():
+    assert _example_entry_point().value == "dsa_indexer_example_backend"
+
+
+def test_example_plugin_registers_and_wins_on_its_new_arch():
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg)
+    assert "example" in reg.plugins_loaded
+    res = reg.resolve("topk_indices", Target("cuda", "sm103"), Problem(k=4, slots=False, starts=False))
+    assert res.chosen.impl_id == "topk_indices.example.torch_topk"
+    assert res.chosen.origin == "example"
+    # Elsewhere it is not a candidate that can win.
+    assert reg.resolve("topk_indices", Target("cpu", "cpu"), Problem(k=4)).chosen.vendor == "reference"
+
+
+def test_example_plugin_implementation_meets_the_top_k_contract():
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg)
+    plugin_fn = reg.function("topk_indices", Target("cuda", "sm103"), Problem(k=5))
+    ref_fn = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=5))
+    logits = torch.randn(6, 40)
+    logits[:, 10:20] = 0.0  # exact ties, as the ReLU makes
+    ends = torch.tensor([40, 3, 25, 12, 40, 0], dtype=torch.int32)
+    starts = torch.tensor([0, 0, 5, 10, 30, 0], dtype=torch.int32)
+    got, want = plugin_fn(logits, 5, ends, starts), ref_fn(logits, 5, ends, starts)
+    for g, w in zip(got.tolist(), want.tolist()):
+        assert sorted(g) == sorted(w)
+
+
+def _fake_entry_points(monkeypatch, entries):
+    real = metadata.entry_points
+
+    def fake(group=None, **kw):
+        if group == "dsa_indexer.backends":
+            return [metadata.EntryPoint(name, value, group) for name, value in entries]
+        return real(group=group, **kw)
+
+    monkeypatch.setattr(plugin_module.metadata, "entry_points", fake)
+
+
+def test_broken_plugins_are_reported_not_fatal(monkeypatch):
+    half = types.ModuleType("dsa_test_half_plugin")
+
+    @hookimpl
+    def dsa_indexer_register(registry):
+        registry.implementation("topk_indices", impl_id="topk_indices.half.first", targets=("sm90",),
+                                priority=500)(lambda: None)
+        raise RuntimeError("second registration exploded")
+
+    half.dsa_indexer_register = dsa_indexer_register
+    monkeypatch.setitem(sys.modules, "dsa_test_half_plugin", half)
+    _fake_entry_points(monkeypatch, [("missing", "dsa_test_no_such_module"), ("half", "dsa_test_half_plugin")])
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg)
+    failed = "\n".join(reg.plugins_failed)
+    assert "missing (dsa_test_no_such_module): import failed: ModuleNotFoundError" in failed
+    assert "half: register failed: RuntimeError: second registration exploded" in failed
+    # What the failed plugin registered before failing was rolled back; the built-ins are intact.
+    ids = [i.impl_id for i in reg.implementations("topk_indices")]
+    assert "topk_indices.half.first" not in ids and "topk_indices.reference.torch" in ids
+    assert "reference" in reg.plugins_loaded
+
+
+def test_allow_list_and_autoload_switch(monkeypatch):
+    _fake_entry_points(monkeypatch, [("missing", "dsa_test_no_such_module")])
+    monkeypatch.setenv("DSA_INDEXER_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reg = Registry(environment=Environment.simulated())
+    load_plugins(reg)
+    assert reg.plugins_failed == [] and "reference" in reg.plugins_loaded
+    monkeypatch.delenv("DSA_INDEXER_DISABLE_PLUGIN_AUTOLOAD")
+    monkeypatch.setenv("DSA_INDEXER_PLUGINS", "someone_else")
+    reg = Registry(environment=Environment.simulated())
+    load_plugins(reg)
+    assert reg.plugins_failed == []
