@@ -8,7 +8,7 @@ import torch
 
 from dsa_indexer.dispatch import (Environment, Implementation, NoImplementationError, Problem, Registry, Target,
                                   detect_target, parse_target)
-from dsa_indexer.dispatch.target import target_of_tensor
+from dsa_indexer.dispatch.target import reload_environment, target_of_tensor
 
 
 # --- targets -------------------------------------------------------------------------------------------------
@@ -47,7 +47,11 @@ def test_detect_target_override_argument_and_environment(monkeypatch):
     assert detect_target("cpu", override="gfx950") == Target("rocm", "gfx950")
     monkeypatch.setenv("DSA_INDEXER_TARGET", "sm100")
     assert detect_target("cpu") == Target("cuda", "sm100")
+    reload_environment()  # the hot path reads the variable once; Registry.clear_cache() re-reads it
     assert target_of_tensor(torch.zeros(1)) == Target("cuda", "sm100")
+    monkeypatch.delenv("DSA_INDEXER_TARGET")
+    reload_environment()
+    assert target_of_tensor(torch.zeros(1)) == Target("cpu", "cpu")
     assert detect_target("cpu", override="cpu") == Target("cpu", "cpu")  # the argument wins over the environment
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .environment import Environment
 from .problem import Problem
-from .target import Target
+from .target import Target, reload_environment
 
 FORCE_ENV = "DSA_INDEXER_FORCE"
 STRICT_ENV = "DSA_INDEXER_STRICT"
@@ -243,7 +243,8 @@ class Registry:
         self._resolution_cache = {}
 
     def clear_cache(self) -> None:
-        """Forget cached resolutions (after changing DSA_INDEXER_FORCE / _STRICT in the environment)."""
+        """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment."""
+        reload_environment()
         with self._lock:
             self._invalidate()
 

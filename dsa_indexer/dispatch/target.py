@@ -136,14 +136,23 @@ def detect_target(device: torch.device | str | int | None = None, override: str 
     return _detect_hardware(_device_of(device))
 
 
+_UNREAD = object()
+_env_target: object = _UNREAD  # the parsed DSA_INDEXER_TARGET, read once (os.environ lookups cost ~2 us)
+
+
+def reload_environment() -> None:
+    """Re-read DSA_INDEXER_TARGET on the next op call (`Registry.clear_cache` calls this)."""
+    global _env_target
+    _env_target = _UNREAD
+
+
 def target_of_tensor(tensor: torch.Tensor) -> Target:
-    """The target an op on ``tensor`` runs for; the hot path, so hardware detection is cached."""
-    env = os.environ.get(TARGET_ENV)
-    if env:
-        return _parse_cached(env)
+    """The target an op on ``tensor`` runs for; the hot path, so detection and the override are cached."""
+    global _env_target
+    override = _env_target
+    if override is _UNREAD:
+        name = os.environ.get(TARGET_ENV)
+        override = _env_target = parse_target(name) if name else None
+    if override is not None:
+        return override  # type: ignore[return-value]
     return _detect_hardware(tensor.device)
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_cached(name: str) -> Target:
-    return parse_target(name)
