@@ -18,6 +18,8 @@ from .validate import IndexerInputError
 
 def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise IndexerInputError(f"{name} is a meta tensor: batch metadata needs real values")
         t = value.detach().to("cpu")
     else:
         try:
@@ -102,6 +104,9 @@ class DecodeBatch:
         if width < longest:
             raise IndexerInputError(f"max_context_len {width} is shorter than the longest row ({longest} keys)")
         if width > table.shape[1] * PAGE_SIZE:
+            if max_context_len is not None:
+                raise IndexerInputError(f"max_context_len {width} exceeds the block table's capacity "
+                                        f"{table.shape[1]} pages x {PAGE_SIZE}")
             width = table.shape[1] * PAGE_SIZE
         request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n)
         if compress_ratio == 1:

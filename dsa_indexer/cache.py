@@ -58,6 +58,11 @@ def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dt
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
 
 
+def _check_fp8(fp8_dtype: torch.dtype) -> None:
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
+
+
 @dataclass
 class IndexKCache:
     """One layer's index-K cache. The library owns its allocation and its layout tag."""
@@ -69,13 +74,15 @@ class IndexKCache:
     @classmethod
     def allocate(cls, num_pages: int, device: torch.device | str = "cpu",
                  fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> "IndexKCache":
-        if not isinstance(num_pages, int) or num_pages <= 0:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        _check_fp8(fp8_dtype)
         data = torch.zeros(num_pages, PAGE_SIZE, 1, BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
         return cls(data, fp8_dtype)
 
     def __post_init__(self) -> None:
         check_kv_cache(self.data, "IndexKCache.data")
+        _check_fp8(self.fp8_dtype)
         if self.layout != LAYOUT_PAGED64:
             raise ValueError(f"layout {self.layout!r} is not supported; supported: {LAYOUT_PAGED64}")
 

@@ -268,6 +268,9 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
         if cache.device != x.device:
             raise IndexerInputError(f"cache is on {cache.device} but x is on {x.device}")
+        if cache.fp8_dtype != self.fp8_dtype:
+            raise IndexerInputError(f"cache holds {cache.fp8_dtype} keys but this target's indexer writes "
+                                    f"{self.fp8_dtype}: never mix e4m3fn and e4m3fnuz")
         if q_lora_quant is not None and not isinstance(q_lora_quant, QuantizedActivation):
             raise IndexerInputError(f"q_lora_quant must be a QuantizedActivation, got {type(q_lora_quant).__name__}")
         return t
@@ -326,6 +329,14 @@ class Indexer(nn.Module):
             out[start:stop] = ops.topk_indices(logits, k, ke, ks)
             start = stop
         return out
+
+    # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------
+    def capture_decode(self, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,
+                       warmup: int = 2, **kwargs):
+        """Capture this layer's decode step into a CUDA graph: see `dsa_indexer.graphs.DecodeGraph.capture`."""
+        from .graphs import DecodeGraph
+
+        return DecodeGraph.capture(self, cache, batch_size, max_context_len, next_n=next_n, warmup=warmup, **kwargs)
 
     def to_physical_slots(self, indices: torch.Tensor, batch: DecodeBatch | PrefillBatch) -> torch.Tensor:
         """Request-local positions -> cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays -1."""

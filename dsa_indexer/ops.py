@@ -159,6 +159,7 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
     _check_rope(cos_sin, d, rope_offset, q.device)
     v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
+    v.finite_number("weight_scale", weight_scale)
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
     fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(q).fp8_dtype)
     fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_op._init_fn
@@ -199,6 +200,8 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
         raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
     if norm not in NORMS:
         raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "none" and not (v.finite_number("eps", eps) > 0):
+        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
     if norm != "none":
         v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
     if norm == "layernorm":

@@ -49,6 +49,12 @@ def positive_int(name: str, value: object) -> int:
     return value
 
 
+def finite_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise IndexerInputError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def fp8_dtype(name: str, value: object) -> torch.dtype:
     if value not in FP8_DTYPES:
         raise IndexerInputError(f"{name} must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {value!r}")

@@ -22,6 +22,12 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
     return 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
 
 
+def ue8m0_round_up(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= ``scale``, exactly (fp32 ``exp2(ceil(log2(s)))`` can round down)."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
 def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False,
                      fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     fmax = fp8_max(fp8_dtype)
@@ -29,7 +35,7 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
     groups = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
     scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / fmax
     if ue8m0:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = ue8m0_round_up(scale)
     x_fp8 = (groups / scale).clamp(-fmax, fmax).to(fp8_dtype)
     return x_fp8.reshape(shape), scale.reshape(*shape[:-1], shape[-1] // group_size)
 
@@ -191,8 +197,11 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     visible = (col >= starts_l[:, None]) & (col < ends_l[:, None])
     masked = torch.where(visible, logits.float(), torch.full_like(logits, float("-inf"), dtype=torch.float32))
     take = min(k, cols)
-    # A stable descending sort keeps the lower index first among equal values: the tie rule.
-    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :take]
+    # A stable descending sort keeps the lower index first among equal values: the tie rule. A second stable sort
+    # on visibility keeps a visible -inf logit ahead of the masked columns it ties with.
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+    by_visibility = torch.sort(visible.gather(1, order).to(torch.int8), dim=1, descending=True, stable=True).indices
+    order = order.gather(1, by_visibility)[:, :take]
     count = (ends_l - starts_l).clamp(0, k)
     slot = torch.arange(take, device=device)
     local = torch.where(slot[None, :] < count[:, None], order - starts_l[:, None], torch.full_like(order, -1))
