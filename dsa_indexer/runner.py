@@ -7,6 +7,7 @@ the reference backend (same inputs, every op forced to its pure-torch implementa
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from .config import MODELS
 from .dispatch.plugins import default_registry
 from .dispatch.target import detect_target
 from .indexer import Indexer
+from . import ops
 from .ops import OPS
-from .pipeline import PIPELINE_OP
+from .pipeline import PIPELINE_OP, k_path
 
 
 @dataclass
@@ -56,19 +58,49 @@ class _Clock:
         return out
 
 
-def _fill_context(indexer: Indexer, cache: IndexKCache, seq_lens: list[int], block_table: torch.Tensor,
-                  gen: torch.Generator, device: torch.device) -> None:
-    """Store keys for every context position (the k path alone: what past steps would have written)."""
-    cfg = indexer.config
-    for b, length in enumerate(seq_lens):
-        for start in range(0, length, 4096):
-            n = min(4096, length - start)
-            pos = torch.arange(start, start + n, device=device)
-            x = torch.randn(n, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
-            slots = block_table[b].to(device).long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-            from .pipeline import k_path
+class _IndexerKeys:
+    """V3.2: the indexer projects its own keys (the k path); a decode or prefill step stores its keys itself."""
 
-            k_path(indexer, x, pos, slots, cache.data)
+    def __init__(self, indexer: Indexer, cache: IndexKCache, block_table: torch.Tensor, seed: int) -> None:
+        self.indexer, self.cache, self.block_table = indexer, cache, block_table
+
+    def fill(self, request: int, x: torch.Tensor) -> None:
+        """Store the keys of a request's first ``len(x)`` tokens (what earlier steps would have written)."""
+        device = self.cache.device
+        for start in range(0, x.shape[0], 4096):
+            chunk = x[start:start + 4096].to(device)
+            pos = torch.arange(start, start + chunk.shape[0], device=device)
+            slots = self.block_table[request].to(device).long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+            k_path(self.indexer, chunk, pos, slots, self.cache.data)
+
+    def extend(self, request: int, x_new: torch.Tensor, length_before: int) -> None:
+        """New tokens' keys are stored by Indexer.forward itself."""
+
+
+class _CompressedKeys:
+    """V4 C4: keys are compressed entries made by the model's compressor (here the reference one)."""
+
+    def __init__(self, indexer: Indexer, cache: IndexKCache, block_table: torch.Tensor, seed: int) -> None:
+        from .compressor import ReferenceCompressor
+
+        self.indexer, self.cache, self.block_table = indexer, cache, block_table
+        self.compressor = ReferenceCompressor(indexer.config, device=cache.device).init_random(seed + 1)
+        self.history: dict[int, torch.Tensor] = {}
+
+    def fill(self, request: int, x: torch.Tensor) -> None:
+        self.history[request] = x[-2 * self.compressor.window:].to(self.cache.device)
+        self._store(request, x.to(self.cache.device), 0, 0)
+
+    def extend(self, request: int, x_new: torch.Tensor, length_before: int) -> None:
+        tail = torch.cat([self.history[request], x_new.to(self.cache.device)])
+        start = length_before + x_new.shape[0] - tail.shape[0]
+        self.history[request] = tail[-2 * self.compressor.window:]
+        self._store(request, tail, length_before // self.compressor.ratio, start)
+
+    def _store(self, request: int, x: torch.Tensor, first_entry: int, start: int) -> None:
+        entries = self.compressor(x, first_entry, start)
+        self.compressor.store(entries, first_entry, self.block_table[request], self.indexer.cos_sin,
+                              self.cache.data, self.indexer.fp8_dtype)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,71 +119,87 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     on_gpu = device.type != "cpu"
     batch = settings.batch or (32 if on_gpu else 4)
-    cfg = MODELS[settings.model]()
+    base = MODELS[settings.model]()
+    ratio = base.compress_ratio
     context = settings.context or (8192 if on_gpu else 4096)
     steps = settings.steps or (20 if on_gpu else 3)
     prefill_new = settings.prefill_tokens or (4096 if on_gpu else 512)
     next_n = settings.next_n
-    if cfg.compress_ratio != 1:
-        from .compressor import run_v4_demo
-
-        return run_v4_demo(cfg, settings, device, batch, context, steps, prefill_new, progress)
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     max_len = context + steps * next_n + prefill_new + 1
-    cfg = type(cfg)(**{**cfg.__dict__, "max_position": max(cfg.max_position if on_gpu else 0, max_len)})
+    cfg = dataclasses.replace(base, max_position=max(base.max_position if on_gpu else 0, max_len))
     target = detect_target(device)
     print(f"dsa-indexer run: {cfg.name} on {device} (target {target}), batch {batch} x context {context}, "
-          f"next_n {next_n}, {steps} decode steps, prefill {prefill_new} new tokens after a {context}-token prefix")
+          f"next_n {next_n}, {steps} decode steps, prefill {prefill_new} new tokens after a {context}-token prefix"
+          + (f"; C4 keys: one per {ratio} tokens, top-{cfg.topk}" if ratio > 1 else ""))
     indexer = Indexer(cfg, device=device).init_random(settings.seed)
-    pages_per_req = -(-max_len // PAGE_SIZE)
+    pages_per_req = -(-(max_len // ratio + 1) // PAGE_SIZE)
     num_pages = (batch + 1) * pages_per_req
     cache = IndexKCache.allocate(num_pages, device, indexer.fp8_dtype)
     # A shuffled page assignment, so a kernel that ignores the block table cannot pass.
     block_table = torch.randperm(num_pages, generator=gen).to(torch.int32).view(batch + 1, pages_per_req)
+    keys = (_CompressedKeys if ratio > 1 else _IndexerKeys)(indexer, cache, block_table, settings.seed)
+    q_norm = (1 + 0.1 * torch.randn(cfg.q_lora_rank, generator=gen)).to(device, torch.bfloat16)
+
+    def random_rows(n: int, width: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(device, torch.bfloat16)
+
+    def step_inputs(n: int):
+        """x and the normed q_lora with attention's fp8 copy of it, as a model would pass them."""
+        q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(random_rows(n, cfg.q_lora_rank), q_norm, 1e-6)
+        return random_rows(n, cfg.hidden_size), q_lora, q_lora_quant
+
     clock = _Clock(device)
     seq_lens = [context - next_n] * batch
-    clock.time("fill context keys", lambda: _fill_context(indexer, cache, seq_lens + [context], block_table, gen,
-                                                           device))
+
+    def fill_all():
+        for b, length in enumerate(seq_lens + [context]):
+            keys.fill(b, torch.randn(length, cfg.hidden_size, generator=gen).to(torch.bfloat16))
+
+    clock.time("fill context keys", fill_all)
     bar = progress(steps, "decode steps") if progress else None
-    decode_out = None
     for step in range(steps):
+        x, q_lora, q_lora_quant = step_inputs(batch * next_n)
+        for b in range(batch):
+            keys.extend(b, x[b * next_n:(b + 1) * next_n], seq_lens[b])
         seq_lens = [s + next_n for s in seq_lens]
-        db = DecodeBatch.build(seq_lens, block_table[:batch], next_n=next_n, num_cache_pages=num_pages, device=device)
-        t = db.num_tokens
-        x = torch.randn(t, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
-        q_lora = torch.randn(t, cfg.q_lora_rank, generator=gen).to(device, torch.bfloat16)
-        decode_inputs = (x, q_lora, db)
-        decode_out = clock.time("decode step", lambda: indexer(x, q_lora, db.positions, db, cache))
+        db = DecodeBatch.build(seq_lens, block_table[:batch], next_n=next_n, num_cache_pages=num_pages,
+                               device=device, compress_ratio=ratio)
+        decode_inputs = (x, q_lora, q_lora_quant, db)
+        decode_out = clock.time("decode step", lambda: indexer(x, q_lora, db.positions, db, cache,
+                                                               q_lora_quant=q_lora_quant))
         if bar:
             bar.update(step + 1)
     # Prefill: one request extends a cached prefix of `context` tokens by `prefill_new` tokens.
-    pb = PrefillBatch.build([context], [prefill_new], block_table[batch:], num_cache_pages=num_pages, device=device)
-    xp = torch.randn(pb.num_tokens, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
-    qp = torch.randn(pb.num_tokens, cfg.q_lora_rank, generator=gen).to(device, torch.bfloat16)
+    xp, qp, qp_quant = step_inputs(prefill_new)
+    keys.extend(batch, xp, context)
+    pb = PrefillBatch.build([context], [prefill_new], block_table[batch:], num_cache_pages=num_pages, device=device,
+                            compress_ratio=ratio)
     cache_before_prefill = cache.data.clone() if settings.verify else None
-    prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache))
+    prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache, q_lora_quant=qp_quant))
 
     registry = default_registry()
-    used = {}
+    used: dict[str, set] = {}
     for (op, _target, _problem), res in registry.used.items():
         used.setdefault(op, set()).add(res.chosen.impl_id)
     report = {"model": cfg.name, "device": str(device), "target": str(target), "batch": batch, "context": context,
               "next_n": next_n, "steps": steps, "prefill_tokens": prefill_new,
               "implementations": {op: sorted(ids) for op, ids in sorted(used.items())},
+              "q_lora_quant": dict(indexer.reuse_stats),
               "timings_ms": {name: {"median": statistics.median(v), "count": len(v)} for name, v in
                              clock.phases.items()},
               "verified": None}
     print("\nimplementations that ran:")
     for op, ids in report["implementations"].items():
         print(f"  {op:<22} {', '.join(ids)}")
+    print(f"q_lora fp8 reuse: {dict(indexer.reuse_stats) or 'not offered'}")
     print("\ntimings (median ms):")
     for name, entry in report["timings_ms"].items():
         print(f"  {name:<22} {entry['median']:10.3f}  (n={entry['count']})")
-
     if settings.verify:
         report["verified"] = _verify(indexer, cache, cache_before_prefill, decode_inputs, decode_out,
-                                     (xp, qp, pb), prefill_out, report)
+                                     (xp, qp, qp_quant, pb), prefill_out, report)
     return report
 
 
@@ -160,16 +208,16 @@ def _verify(indexer, cache, cache_before_prefill, decode_inputs, decode_out, pre
     """Re-run the last decode step and the prefill with every op forced to the pure-torch reference."""
     registry = default_registry()
     forced = [op for op in OPS] + [PIPELINE_OP]
-    x, q_lora, db = decode_inputs
-    xp, qp, pb = prefill_inputs
+    x, q_lora, q_lora_quant, db = decode_inputs
+    xp, qp, qp_quant, pb = prefill_inputs
     ref_cache = IndexKCache(cache_before_prefill.clone(), cache.fp8_dtype)
     try:
         for op in forced:
             impl = f"{op}.reference.torch" if op != PIPELINE_OP else f"{op}.generic.single_stream"
             registry.force(op, impl)
         # The decode step's own keys are already in the cache; storing them again writes the same bytes.
-        ref_decode = indexer(x, q_lora, db.positions, db, ref_cache)
-        ref_prefill = indexer(xp, qp, pb.positions, pb, ref_cache)
+        ref_decode = indexer(x, q_lora, db.positions, db, ref_cache, q_lora_quant=q_lora_quant)
+        ref_prefill = indexer(xp, qp, pb.positions, pb, ref_cache, q_lora_quant=qp_quant)
     finally:
         for op in forced:
             registry.force(op, None)
