@@ -104,6 +104,8 @@ class Resolution:
             lines.append("  => no implementation")
         else:
             lines.append(f"  => {self.chosen.impl_id}")
+            for key, value in self.chosen.info.items():
+                lines.append(f"     {key}: {value}")
         for failure in self.failed_plugins:
             lines.append(f"  failed plugin: {failure}")
         return "\n".join(lines)

@@ -21,9 +21,13 @@ def _factory(name: str):
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
+    from ...quant import GEMM_INPUT_LAYOUT
+
     for op in REFERENCE_OPS:
+        # The GEMM states the activation layout it takes: what a reusable q_lora_quant must match.
+        info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
         registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
-                                description="pure torch, any device")(_factory(op))
+                                description="pure torch, any device", info=info)(_factory(op))
     # Composition of the dispatched logits and top-k ops: above the pure-torch oracle, below any fused kernel.
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=REFERENCE_PRIORITY + 1,
