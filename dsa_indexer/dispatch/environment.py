@@ -71,6 +71,7 @@ class Environment:
         self._facts: dict[str, str | None] = dict(facts or {})
         self._lock = threading.Lock()
         self.name = name
+        self.simulated = False
 
     @classmethod
     def simulated(cls, **present: bool | str) -> "Environment":
@@ -88,9 +89,13 @@ class Environment:
                 facts[fact] = str(value)
         label = ",".join(f"{k}={'yes' if v is None else 'no'}" for k, v in sorted(facts.items()))
         env = cls(probes={}, facts=facts, name=f"simulated({label})")
+        env.simulated = True
         return env
 
     def add_probe(self, fact: str, probe: Probe) -> None:
+        """Probe ``fact`` with ``probe`` (a backend's self-test). A simulated environment keeps its fixed facts."""
+        if self.simulated:
+            return
         with self._lock:
             self._probes[fact] = probe
             self._facts.pop(fact, None)

@@ -1,1 +1,136 @@
-"""placeholder"""
+"""The NVIDIA backend: DeepGEMM's logits and block-fp8 GEMM kernels (sm90, sm100) and the dual-stream pipeline.
+
+Registrations (all through the one plugin hook):
+- the probe of the environment fact ``deep_gemm``: import, API detection by feature and a small self-test on the
+  GPU against the reference kernels (`deepgemm.probe`), run once at the first resolution that needs it;
+- ``paged_mqa_logits.cuda.deepgemm``, ``ragged_mqa_logits.cuda.deepgemm``, ``gemm_fp8_blockscale.cuda.deepgemm``
+  at priority 200 (above Triton's 100) for sm90 and sm100, each with a ``supports`` check that names the limit
+  a problem hits (head counts, next_n, head dim, fp8 flavour, sm100's ue8m0 GEMM scales);
+- ``indexer_pipeline.cuda.dual_stream`` (`dual_stream.py`).
+
+``deep_gemm`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...dispatch.environment import Environment
+from ...dispatch.plugins import hookimpl
+from ...dispatch.problem import Problem
+from ...dispatch.registry import Registry
+from ...dispatch.target import Target
+from ...quant import Fp8GroupLayout
+
+DEEPGEMM_PRIORITY = 200
+DEEPGEMM_TARGETS = ("sm90", "sm100")
+# Head counts DeepGEMM 2.6.1 takes for fp8 logits: {32, 64} on sm90, {8, 16, 32, 64} on sm100. Kept to the
+# shapes the self-test and the GPU tests cover; V3.2 and V4 use 64.
+LOGITS_HEADS = {"sm90": (32, 64), "sm100": (32, 64)}
+PAGED_NEXT_N = {"sm90": (1, 2), "sm100": None}  # None: any next_n >= 1
+HEAD_DIM = 128
+
+# What the DeepGEMM GEMM accepts from our quant op: per-token groups of 128 along K, plain fp32 scales,
+# row-major [M, K/128] (DeepGEMM makes its MN-major TMA-aligned copy inside the call), e4m3fn.
+GEMM_INPUT_LAYOUT = Fp8GroupLayout(group_size=128, ue8m0=False, scale_major="row", packed_scales=False,
+                                   fp8_dtype=torch.float8_e4m3fn)
+
+OPS = ("paged_mqa_logits", "ragged_mqa_logits", "gemm_fp8_blockscale")
+DESCRIPTIONS = {
+    "paged_mqa_logits": "DeepGEMM paged MQA logits (schedule metadata + kernel, tail masked to -inf)",
+    "ragged_mqa_logits": "DeepGEMM ragged MQA logits (clean_logits=True, contiguous copy)",
+    "gemm_fp8_blockscale": "DeepGEMM block-fp8 GEMM, recipe (1, 128, 128), bf16 output",
+}
+
+
+def _deep_gemm_probe() -> str | None:
+    from . import deepgemm
+
+    return deepgemm.probe()
+
+
+def _common_checks(problem: Problem, target: Target) -> str | None:
+    fp8 = problem.get("fp8")
+    if fp8 is not None and fp8 != "fn":
+        return f"fp8={fp8}: DeepGEMM takes float8_e4m3fn only"
+    return None
+
+
+def _logits_supports(op: str):
+    def check(problem: Problem, target: Target) -> str | None:
+        reason = _common_checks(problem, target)
+        if reason:
+            return reason
+        dim = problem.get("dim")
+        if dim is not None and dim != HEAD_DIM:
+            return f"head dim {dim}: the DeepGEMM adapters take {HEAD_DIM} (the cache layout's)"
+        heads = problem.get("heads")
+        allowed = LOGITS_HEADS.get(target.arch, ())
+        if heads is not None and heads not in allowed:
+            return f"heads={heads}: DeepGEMM logits on {target.arch} take {' or '.join(map(str, allowed))} heads"
+        if op == "paged_mqa_logits":
+            next_n = problem.get("next_n")
+            limits = PAGED_NEXT_N.get(target.arch)
+            if next_n is not None and limits is not None and next_n not in limits:
+                return f"next_n={next_n}: DeepGEMM paged logits on {target.arch} take next_n in {set(limits)}"
+        return None
+
+    return check
+
+
+def _gemm_supports(problem: Problem, target: Target) -> str | None:
+    reason = _common_checks(problem, target)
+    if reason:
+        return reason
+    if target.arch == "sm100":
+        return ("sm100: DeepGEMM wants packed ue8m0 (power-of-two) scales, our quant op makes plain fp32 "
+                "scales (the ue8m0 path is not implemented)")
+    out = problem.get("out")
+    if out is not None and out != str(torch.bfloat16):
+        return f"out={out}: the DeepGEMM adapter writes bf16"
+    k = problem.get("k")
+    if k is not None and k % 128:
+        return f"K={k}: the (1, 128, 128) recipe needs K to be a multiple of 128"
+    n = problem.get("n")
+    if n is not None and n % 64:
+        return f"N={n}: kept to multiples of 64 (DeepGEMM's TMA store alignment for bf16 output)"
+    return None
+
+
+def _available(op: str):
+    def check(target: Target, env: Environment) -> str | None:
+        # Runs only once the deep_gemm fact holds. In a simulated environment nothing was detected: assume
+        # the full API. After a real probe, the detected API decides.
+        from .deepgemm import detected_api
+
+        api = detected_api()
+        if api is not None and api.function_for(op) is None:
+            return f"{api.describe()} has no {op} function"
+        return None
+
+    return check
+
+
+def _factory(op: str):
+    def factory():
+        import deep_gemm
+
+        from . import deepgemm
+
+        return deepgemm.MAKERS[op](deep_gemm, deepgemm.api_for(deep_gemm))
+
+    return factory
+
+
+@hookimpl
+def dsa_indexer_register(registry: Registry) -> None:
+    registry.add_probe("deep_gemm", _deep_gemm_probe)  # a simulated environment keeps its fixed facts
+    for op in OPS:
+        supports = _gemm_supports if op == "gemm_fp8_blockscale" else _logits_supports(op)
+        info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else {}
+        registry.implementation(op, impl_id=f"{op}.cuda.deepgemm", targets=DEEPGEMM_TARGETS,
+                                priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
+                                supports=supports, description=DESCRIPTIONS[op], info=info)(_factory(op))
+    from .dual_stream import register_dual_stream
+
+    register_dual_stream(registry)

@@ -1,0 +1,158 @@
+"""The dual-stream pipeline strategy (NVIDIA): the q path and the k path of one step on two CUDA streams.
+
+For small token counts (decode, speculative verify) the kernels of one step are too small to fill the GPU, and
+the q path (weights_proj, wq_b, q prologue) and the k path (wk, k prologue + cache store) do not depend on each
+other until the logits. Schedule (indexer spec, section 5), issued in this order:
+
+    alt.wait_stream(main)            # alt sees x, positions, slot_mapping and the cache as main left them
+    main: pipeline.q_path(...)       # weights_proj, wq_b GEMM, RoPE + Hadamard + fp8 quant of q
+    alt:  pipeline.k_path(...)       # wk, k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
+    main.wait_stream(alt)            # the logits that follow on main see this step's keys
+
+The steps are `pipeline.q_path` and `pipeline.k_path` themselves, so every kernel gets the same inputs as under
+`single_stream` and the result is bit-identical. One alt stream per device, created on first use and reused, so a
+captured CUDA graph holds exactly two streams whatever the number of layers.
+
+Memory safety without ``record_stream``: the tensors alt reads (x, positions, slot_mapping, the cache, the
+weights) belong to the caller and stay alive until this function returns, which is after ``main.wait_stream(alt)``;
+any later reuse of their memory by main is ordered after alt's work. Temporaries the k path allocates on alt are
+freed back to alt's pool and reused only by later work on alt; nothing made on alt is returned to main.
+
+Knobs, read when the registry first resolves the strategy (resolutions are cached; `Registry.clear_cache()`
+re-reads them):
+- ``DSA_INDEXER_DUAL_STREAM=0``: never choose this strategy.
+- ``DSA_INDEXER_DUAL_STREAM_MAX_TOKENS`` (default 1024): the largest token bucket it takes (SGLang's threshold).
+Read when the strategy's factory runs (once per process):
+- ``DSA_INDEXER_DUAL_STREAM_GEMM_SMS``: limit DeepGEMM to this many SMs (or ``half``) while the q path is issued,
+  leaving SMs to the k path (what SGLang does). Off by default: a different SM count may make DeepGEMM pick
+  another tile shape, and bit-identity with `single_stream` is only promised with the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Callable
+
+import torch
+
+from ...dispatch.problem import Problem
+from ...dispatch.target import Target
+from ...pipeline import PIPELINE_OP, k_path, q_path, single_stream
+
+log = logging.getLogger("dsa_indexer")
+
+IMPL_ID = f"{PIPELINE_OP}.cuda.dual_stream"
+PRIORITY = 100
+ENABLE_ENV = "DSA_INDEXER_DUAL_STREAM"
+MAX_TOKENS_ENV = "DSA_INDEXER_DUAL_STREAM_MAX_TOKENS"
+GEMM_SMS_ENV = "DSA_INDEXER_DUAL_STREAM_GEMM_SMS"
+DEFAULT_MAX_TOKENS = 1024
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def alt_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of ``device`` (created lazily, then reused: graphs stay at two streams)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        with _streams_lock:
+            stream = _streams.get(index)
+            if stream is None:
+                stream = torch.cuda.Stream(device=index)
+                _streams[index] = stream
+    return stream
+
+
+def alt_streams() -> dict[int, torch.cuda.Stream]:
+    """The side streams created so far, per device index (tests check there is one per device)."""
+    return dict(_streams)
+
+
+def max_tokens() -> int | str:
+    """The token threshold, or a reason string when the variable does not parse."""
+    text = os.environ.get(MAX_TOKENS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_TOKENS
+    try:
+        value = int(text)
+    except ValueError:
+        return f"{MAX_TOKENS_ENV}={text!r} is not an integer"
+    return value if value >= 1 else f"{MAX_TOKENS_ENV}={value} must be >= 1"
+
+
+def supports(problem: Problem, target: Target) -> str | None:
+    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"disabled by {ENABLE_ENV}=0"
+    limit = max_tokens()
+    if isinstance(limit, str):
+        return limit
+    tokens = problem.get("tokens")
+    if tokens is not None and tokens > limit:
+        return (f"tokens bucket {tokens} > {limit}: large steps fill the GPU on one stream "
+                f"(threshold {MAX_TOKENS_ENV})")
+    return None
+
+
+def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
+    """A context manager factory that limits DeepGEMM's SM count, when asked for and deep_gemm imports."""
+    text = os.environ.get(GEMM_SMS_ENV, "").strip().lower()
+    if text in ("", "0", "off", "no"):
+        return None
+    try:
+        import deep_gemm
+    except Exception as exc:  # noqa: BLE001 - the knob is an optimization; say why it is ignored
+        log.warning("dsa_indexer: %s=%s ignored: deep_gemm does not import (%s)", GEMM_SMS_ENV, text, exc)
+        return None
+    if not (callable(getattr(deep_gemm, "get_num_sms", None)) and callable(getattr(deep_gemm, "set_num_sms", None))):
+        log.warning("dsa_indexer: %s ignored: this deep_gemm has no get_num_sms/set_num_sms", GEMM_SMS_ENV)
+        return None
+    total = deep_gemm.get_num_sms()
+    try:
+        sms = max(1, total // 2) if text == "half" else max(1, min(total, int(text)))
+    except ValueError:
+        log.warning("dsa_indexer: %s=%r ignored: expected an SM count or 'half'", GEMM_SMS_ENV, text)
+        return None
+
+    @contextlib.contextmanager
+    def limit():
+        previous = deep_gemm.get_num_sms()
+        deep_gemm.set_num_sms(sms)
+        try:
+            yield
+        finally:
+            deep_gemm.set_num_sms(previous)
+
+    return limit
+
+
+def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager] | None = None) -> Callable:
+    def dual_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant):
+        """q path on the current stream, k path on the device's alt stream, joined before returning."""
+        if x.device.type != "cuda":  # a simulated cuda target on host tensors: nothing to overlap
+            return single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant)
+        main = torch.cuda.current_stream(x.device)
+        alt = alt_stream(x.device)
+        alt.wait_stream(main)
+        with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
+            q_fp8, weights = q_path(indexer, x, q_lora, positions, q_lora_quant)
+        with torch.cuda.stream(alt):
+            k_path(indexer, x, positions, slot_mapping, kv_cache)
+        main.wait_stream(alt)
+        return q_fp8, weights
+
+    return dual_stream
+
+
+def register_dual_stream(registry) -> None:
+    def factory() -> Callable:
+        return make_dual_stream(_gemm_sm_limit())
+
+    registry.implementation(PIPELINE_OP, impl_id=IMPL_ID, targets=("cuda",), priority=PRIORITY, requires=("gpu",),
+                            supports=supports,
+                            description="q path on the current stream, k path on a side stream (<= 1024 tokens)"
+                            )(factory)

@@ -1,0 +1,216 @@
+"""CUDA-graph decode: capture one indexer step for a fixed batch shape, then replay it with new inputs.
+
+    graph = DecodeGraph.capture(indexer, cache, batch_size=32, max_context_len=8192)   # or indexer.capture_decode
+    topk = graph.replay(x, q_lora, seq_lens, block_table)   # int32 [b * next_n, topk], request-local, -1 padded
+
+Vendor-neutral: `torch.cuda.CUDAGraph` is also HIP graphs on ROCm. What is static and what is derived:
+- static input buffers: ``x`` [B*N, hidden], ``q_lora`` [B*N, q_lora_rank], ``seq_lens`` [B] int32 (tokens of each
+  request including its N new ones) and ``block_table`` [B, max_pages] int32;
+- derived INSIDE the graph with torch ops (no host sync, no ``.item()``): positions, context_lens, slot_mapping
+  (`DecodeBuffers.derive`). The metadata kernels are part of the replay, so each replay sees its own lengths.
+- the logits width ``max_context_len`` is fixed at capture (a host int), like the shapes.
+
+Padding: ``replay`` takes b <= B requests; requests b..B-1 get ``seq_lens = 0``, which the derivation turns into
+rows that see no key (context length 0, top-k all -1) and store nothing (slot -1). Any row whose position would
+be negative (``seq_lens[b] < next_n``) is treated the same way. Capture runs with all-padding inputs, so the
+warm-up steps never write into the cache.
+
+Rules: the first resolution of every op must happen before capture (the warm-up steps do it; DeepGEMM's probe
+runs its self-test then). ``DSA_INDEXER_CHECK_RANGES=1`` reads values on the host and cannot be captured.
+The returned tensor is the graph's static output: the next replay overwrites it (clone it to keep it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batch import DecodeBatch
+from .cache import PAGE_SIZE, IndexKCache
+from .validate import IndexerInputError, tensor as check_tensor
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass
+class DecodeBuffers:
+    """The static inputs of a decode graph and the on-device derivation of its batch metadata.
+
+    Device-agnostic (it also runs on CPU tensors, which is how CPU tests check the derivation)."""
+
+    x: torch.Tensor  # [B*N, hidden]
+    q_lora: torch.Tensor  # [B*N, q_lora_rank]
+    seq_lens: torch.Tensor  # [B] int32, 0 = padding request
+    block_table: torch.Tensor  # [B, max_pages] int32
+    offsets: torch.Tensor  # [N] int64: 0..N-1
+    row_request: torch.Tensor  # [B*N] int32
+    max_context_len: int
+    next_n: int
+    compress_ratio: int
+    max_position: int
+
+    @classmethod
+    def allocate(cls, indexer, batch_size: int, max_context_len: int, next_n: int,
+                 device: torch.device) -> "DecodeBuffers":
+        cfg = indexer.config
+        rows = batch_size * next_n
+        max_pages = -(-max_context_len // PAGE_SIZE)
+        return cls(
+            x=torch.zeros(rows, cfg.hidden_size, dtype=indexer.dtype, device=device),
+            q_lora=torch.zeros(rows, cfg.q_lora_rank, dtype=indexer.dtype, device=device),
+            seq_lens=torch.zeros(batch_size, dtype=torch.int32, device=device),
+            block_table=torch.zeros(batch_size, max_pages, dtype=torch.int32, device=device),
+            offsets=torch.arange(next_n, dtype=torch.int64, device=device),
+            row_request=torch.arange(batch_size, dtype=torch.int32, device=device).repeat_interleave(next_n),
+            max_context_len=max_context_len, next_n=next_n, compress_ratio=cfg.compress_ratio,
+            max_position=cfg.max_position)
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_table.shape[1]
+
+    def derive(self) -> DecodeBatch:
+        """The DecodeBatch of the current buffer contents, computed with device ops only (capturable).
+
+        Same values as `DecodeBatch.build` for valid requests; rows with a negative position are padding."""
+        n, ratio = self.next_n, self.compress_ratio
+        pos = self.seq_lens.long()[:, None] - n + self.offsets[None, :]  # [B, N]
+        valid = pos >= 0
+        pos = pos.clamp_min(0)
+        keys = (pos + 1) // ratio
+        context_lens = torch.where(valid, keys, torch.zeros_like(keys)).to(torch.int32)
+        if ratio == 1:
+            # Clamped page index: out-of-range lengths (only checkable on the host) must not fault the gather.
+            page_col = (pos // PAGE_SIZE).clamp_max(self.max_pages - 1)
+            pages = torch.gather(self.block_table, 1, page_col).long()
+            slots = torch.where(valid, pages * PAGE_SIZE + pos % PAGE_SIZE, torch.full_like(pos, -1))
+        else:
+            slots = torch.full_like(pos, -1)  # compressed keys are stored by the model's compressor
+        return DecodeBatch(context_lens, self.block_table, pos.reshape(-1), slots.reshape(-1), self.row_request,
+                           self.max_context_len, n, ratio)
+
+    def load(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
+             block_table: torch.Tensor) -> int:
+        """Validate the inputs and copy them into the buffers; returns the number of live rows (b * next_n)."""
+        batch, n = self.batch_size, self.next_n
+        check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1)
+        b = seq_lens.shape[0]
+        if not 1 <= b <= batch:
+            raise IndexerInputError(f"seq_lens must name 1..{batch} requests (the captured batch size), got {b}")
+        rows = b * n
+        check_tensor("x", x, dtype=self.x.dtype, shape=(rows, self.x.shape[1]), device=self.x.device)
+        check_tensor("q_lora", q_lora, dtype=self.q_lora.dtype, shape=(rows, self.q_lora.shape[1]),
+                     device=self.x.device)
+        check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2)
+        if block_table.shape[0] != b or block_table.shape[1] > self.max_pages:
+            raise IndexerInputError(f"block_table must be [{b}, <= {self.max_pages}] (one row per request, at most "
+                                    f"the captured {self.max_pages} pages), got {list(block_table.shape)}")
+        if seq_lens.device.type == "cpu":
+            self._check_host_lengths(seq_lens, block_table)
+        self.x[:rows].copy_(x)
+        self.q_lora[:rows].copy_(q_lora)
+        self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
+        if b < batch:
+            self.seq_lens[b:].zero_()
+        self.block_table[:b, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        return rows
+
+    def _check_host_lengths(self, seq_lens: torch.Tensor, block_table: torch.Tensor) -> None:
+        seq = seq_lens.long()
+        n, ratio = self.next_n, self.compress_ratio
+        bad = (seq != 0) & (seq < n)
+        if bool(bad.any()):
+            raise IndexerInputError(f"seq_lens entries must be 0 (padding) or >= next_n={n}, got "
+                                    f"{int(seq[bad][0])} at request {int(bad.nonzero()[0, 0])}")
+        if bool((seq > self.max_position).any()):
+            raise IndexerInputError(f"seq_lens must be <= max_position={self.max_position}, got max {int(seq.max())}")
+        keys = seq // ratio
+        if bool((keys > self.max_context_len).any()):
+            raise IndexerInputError(f"seq_lens exceed the captured max_context_len={self.max_context_len} keys "
+                                    f"(longest request: {int(keys.max())} keys)")
+        pages = (keys + PAGE_SIZE - 1) // PAGE_SIZE
+        if bool((pages > block_table.shape[1]).any()):
+            raise IndexerInputError(f"block_table has {block_table.shape[1]} pages per request but a request needs "
+                                    f"{int(pages.max())}")
+
+
+class DecodeGraph:
+    """One captured decode step of one indexer layer (see the module docstring). Build it with `capture`."""
+
+    def __init__(self, indexer, cache: IndexKCache, buffers: DecodeBuffers, graph: "torch.cuda.CUDAGraph",
+                 output: torch.Tensor) -> None:
+        self.indexer = indexer
+        self.cache = cache
+        self.buffers = buffers
+        self.graph = graph
+        self.output = output
+
+    @classmethod
+    def capture(cls, indexer, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,
+                warmup: int = 2, *, pool=None) -> "DecodeGraph":
+        """Warm up ``warmup`` (>= 1) eager steps on a side stream, then capture one step into a CUDA graph.
+
+        ``max_context_len``: the logits width (keys), fixed for the graph's life; the block table gets
+        ``ceil(max_context_len / 64)`` pages per request. ``pool``: a `torch.cuda.graph_pool_handle()` to share
+        memory with other graphs."""
+        from .indexer import Indexer
+
+        if not isinstance(indexer, Indexer):
+            raise IndexerInputError(f"indexer must be an Indexer, got {type(indexer).__name__}")
+        if not isinstance(cache, IndexKCache):
+            raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
+        for name, value, low in (("batch_size", batch_size, 1), ("max_context_len", max_context_len, 1),
+                                 ("next_n", next_n, 1), ("warmup", warmup, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise IndexerInputError(f"{name} must be an int >= {low}, got {value!r}")
+        device = cache.device
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise IndexerInputError(f"CUDA-graph capture needs the cache on a CUDA (or ROCm) device, got {device}")
+        if indexer.cos_sin.device != device:
+            raise IndexerInputError(f"the indexer's weights are on {indexer.cos_sin.device}, the cache on {device}")
+        buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device)
+
+        def step() -> torch.Tensor:
+            batch = buffers.derive()
+            return indexer.forward(buffers.x, buffers.q_lora, batch.positions, batch, cache)
+
+        with torch.cuda.device(device):
+            # Warm-up on a side stream (the pattern torch.cuda.graphs documents): first resolutions, probes,
+            # Triton / DeepGEMM JIT compiles and allocator growth all happen here, outside the capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = step()
+        return cls(indexer, cache, buffers, graph, output)
+
+    @property
+    def batch_size(self) -> int:
+        return self.buffers.batch_size
+
+    @property
+    def next_n(self) -> int:
+        return self.buffers.next_n
+
+    @property
+    def max_context_len(self) -> int:
+        return self.buffers.max_context_len
+
+    def replay(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
+               block_table: torch.Tensor) -> torch.Tensor:
+        """Copy the inputs into the static buffers and replay: int32 [b * next_n, topk] request-local positions,
+        -1 padded (a view of the static output). ``seq_lens`` on the host are validated there (no device sync);
+        on the device they are trusted."""
+        rows = self.buffers.load(x, q_lora, seq_lens, block_table)
+        self.graph.replay()
+        return self.output[:rows]
