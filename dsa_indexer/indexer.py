@@ -110,6 +110,8 @@ class Indexer(nn.Module):
                                                       config.yarn, device), persistent=False)
         self.logits_budget_bytes = logits_budget_bytes
         self.reuse_stats: Counter[str] = Counter()
+        # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel): one fp8 ulp may differ.
+        self.allow_unrounded_q_lora_quant = False
         self.last_pipeline: Resolution | None = None
 
     # --- weights ------------------------------------------------------------------------------------------

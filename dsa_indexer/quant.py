@@ -52,8 +52,11 @@ GEMM_INPUT_LAYOUT = Fp8GroupLayout()
 
 
 def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_block_fp8: bool,
-                    wanted: Fp8GroupLayout = GEMM_INPUT_LAYOUT) -> str | None:
-    """None when ``quant`` can feed ``wq_b`` in place of quantizing ``q_lora``; else the drop reason."""
+                    wanted: Fp8GroupLayout = GEMM_INPUT_LAYOUT, allow_unrounded: bool = False) -> str | None:
+    """None when ``quant`` can feed ``wq_b`` in place of quantizing ``q_lora``; else the drop reason.
+
+    A tensor quantized before bf16 rounding (PRODUCER_UNROUNDED, aiter's fused kernel) may differ from
+    re-quantizing ``q_lora`` in the last fp8 bit, so it is reused only when ``allow_unrounded`` says so."""
     if not wq_b_is_block_fp8:
         return "wq_b is not block-fp8 128x128 (bf16 weights take the bf16 q_lora)"
     lay = quant.layout
@@ -73,6 +76,9 @@ def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_bl
         return f"scales are {lay.scale_major}-major, the GEMM wants {wanted.scale_major}-major"
     if lay.fp8_dtype != wanted.fp8_dtype:
         return f"fp8 type {lay.fp8_dtype}, this target's GEMM takes {wanted.fp8_dtype}"
+    if lay.producer != PRODUCER_ROUNDED and not allow_unrounded:
+        return (f"producer {lay.producer!r} quantized before bf16 rounding (may differ in the last fp8 bit); "
+                f"set Indexer.allow_unrounded_q_lora_quant = True to accept that")
     if quant.data.device != q_lora.device:
         return f"q_lora_quant is on {quant.data.device}, q_lora on {q_lora.device}"
     return None

@@ -78,13 +78,18 @@ def _ue8m0(q, quant):
     return ops.rmsnorm_quant_fp8(q, torch.ones(q.shape[1], dtype=torch.bfloat16), ue8m0=True)[1]
 
 
+def _unrounded(q, quant):
+    return QuantizedActivation(quant.data, quant.scales, dataclasses.replace(quant.layout, producer="fp32_unrounded"))
+
+
 def _packed(q, quant):
     return QuantizedActivation(quant.data, quant.scales, dataclasses.replace(quant.layout, packed_scales=True))
 
 
 @pytest.mark.parametrize("make, reason", [
     (_trimmed, "rows trimmed"), (_padded, "rows padded"), (_ue8m0, "ue8m0"), (_packed, "packed ue8m0"),
-], ids=["trimmed-rows", "padded-rows", "ue8m0-scales", "packed-scales"])
+    (_unrounded, "before bf16 rounding"),
+], ids=["trimmed-rows", "padded-rows", "ue8m0-scales", "packed-scales", "unrounded-producer"])
 def test_each_drop_rule_falls_back_with_the_same_result(make, reason, caplog):
     indexer, cache, table = _setup(V32_TINY, seed=torch.randint(0, 10_000, ()).item())
     batch = _decode_batch(V32_TINY, table)

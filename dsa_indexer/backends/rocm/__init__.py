@@ -1,1 +1,162 @@
-"""placeholder"""
+"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950).
+
+Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the per-op table and reasons):
+
+- the probe of the environment fact ``aiter`` (`aiter_api.probe`): import inside a try, API detection by feature,
+  and a self-test of the ragged-logits adapter on the GPU; on a machine without ROCm it returns a reason;
+- ``ragged_mqa_logits.rocm.aiter`` at priority 200 (above Triton's 100): aiter's Triton ``fp8_mqa_logits`` with
+  the start-alignment workaround (`logits.py`);
+- ``topk_indices.rocm.aiter`` at priority 50, BELOW Triton: aiter's HIP ``top_k_per_row_decode``; its choice
+  among tied logits is not deterministic, so it runs only when forced or when Triton cannot run (`topk.py`).
+
+Not registered, with the reason (also in ``UNREGISTERED``): paged logits (aiter's paged kernel reads a page-size-1
+cache with per-token scales, not this library's 64-token pages), the K store (aiter's ``indexer_k_quant_and_cache``
+does not reproduce the reference bytes), the block-fp8 GEMM (scale layout of the CK kernel not settled), the
+fused RMSNorm + quant (a different recipe; exposed as `quant.aiter_fused_rms_fp8_group_quant`).
+
+Targets: gfx942 takes e4m3fnuz, gfx950 e4m3fn; problems of the other flavour are rejected with a reason.
+gfx1250 is listed so that `dsa-indexer explain` names it, and rejected: no public integration runs these aiter
+kernels on gfx1250 and they have not been run there, so Triton serves it.
+
+``aiter`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
+"""
+
+from __future__ import annotations
+
+from ...dispatch.environment import Environment
+from ...dispatch.plugins import hookimpl
+from ...dispatch.problem import Problem
+from ...dispatch.registry import Registry
+from ...dispatch.target import Target
+from .quant import aiter_fused_rms_fp8_group_quant
+
+__all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
+
+AITER_PRIORITY = 200
+TOPK_PRIORITY = 50  # below Triton's deterministic top-k (100): see topk.py on ties
+AITER_TARGETS = ("gfx942", "gfx950", "gfx1250")
+FP8_BY_ARCH = {"gfx942": "fnuz", "gfx950": "fn", "gfx1250": "fn"}
+HEAD_DIM = 128
+TOPK = 2048
+
+UNREGISTERED = {
+    "paged_mqa_logits": "aiter's deepgemm_fp8_paged_mqa_logits reads a page-size-1 cache [tokens, 1, 1, 132] with "
+                        "each token's scale after its 128 bytes and a token-level index table; this library's cache "
+                        "is 64-token pages with the 64 scales after the 64 rows, which no stride of that kernel "
+                        "can address (re-laying the cache out per call would cost more than the logits)",
+    "k_prologue_store": "aiter's indexer_k_quant_and_cache is quant + store only and its bytes differ from the "
+                        "reference: scale max is 240 for e4m3fnuz (library: 224), ue8m0 uses exp2f(ceilf(log2f(s))) "
+                        "(can round down), and it multiplies by 1/scale (1 fp8 ulp); the Triton kernel already fuses "
+                        "norm + RoPE + Hadamard + quant + store",
+    "gemm_fp8_blockscale": "aiter.gemm_a8w8_blockscale (CK, HIP only): the memory layout CK expects for x_scale "
+                           "([M, K/128] row-major or [K/128, M]) is not settled from the Python sources read",
+    "rmsnorm_quant_fp8": "aiter's fused_rms_fp8_group_quant quantizes before rounding to bf16 (1 fp8 ulp off the "
+                         "contract's bit identity) and clamps amax at 1e-10; exposed unregistered as "
+                         "aiter_fused_rms_fp8_group_quant (layout producer PRODUCER_UNROUNDED)",
+    "quant_fp8_groups": "no aiter function quantizes with this contract's recipe (amax clamp 1e-4, 224 on fnuz)",
+    "q_prologue": "no aiter function fuses RoPE + Hadamard + quant + the weight fold",
+    "lightning_indexer": "no aiter fused paged logits + top-k for this cache layout (the generic composition of "
+                         "the resolved paged logits and top-k serves it)",
+}
+
+
+def _aiter_probe() -> str | None:
+    from . import aiter_api
+
+    return aiter_api.probe()
+
+
+def _arch_checks(problem: Problem, target: Target, what: str) -> str | None:
+    if target.arch == "gfx1250":
+        return (f"gfx1250: no public integration runs aiter's {what} there and it has not been run there; "
+                "not enabled")
+    fp8 = problem.get("fp8")
+    want = FP8_BY_ARCH.get(target.arch)
+    if fp8 is not None and want is not None and fp8 != want:
+        return (f"fp8={fp8} on {target.arch}: aiter there takes float8_e4m3{want} (aiter.dtypes.fp8); "
+                "fn and fnuz operands are never mixed")
+    return None
+
+
+def _ragged_supports(problem: Problem, target: Target) -> str | None:
+    reason = _arch_checks(problem, target, "fp8_mqa_logits")
+    if reason:
+        return reason
+    dim = problem.get("dim")
+    if dim is not None and dim != HEAD_DIM:
+        return f"head dim {dim}: the aiter adapter takes {HEAD_DIM} (the cache layout's)"
+    heads = problem.get("heads")
+    if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
+        return f"heads={heads}: aiter's fp8_mqa_logits needs a power of two, and tl.dot 16..128 rows"
+    return None
+
+
+def _topk_supports(problem: Problem, target: Target) -> str | None:
+    reason = _arch_checks(problem, target, "top_k_per_row_decode")
+    if reason:
+        return reason
+    k = problem.get("k")
+    if k is not None and k != TOPK:
+        return f"k={k}: aiter's top_k_per_row kernels have k fixed at {TOPK}"
+    if problem.get("starts"):
+        return ("ragged row starts: aiter's decode top-k reads rows from column 0, and its prefill top-k ignores "
+                "rowStarts for rows longer than 2048 (aiter 0.1.7)")
+    return None
+
+
+def _available(field: str, op: str):
+    def check(target: Target, env: Environment) -> str | None:
+        # A simulated environment detected nothing: assume the full API. After a real probe, the detected API
+        # decides (function present, self-test passed, fp8 flavour of this aiter build = the target's).
+        if env.name.startswith("simulated"):
+            return None
+        from .aiter_api import detected_api
+
+        api = detected_api()
+        if api is None:
+            return None
+        if getattr(api, field) is None:
+            return f"{api.describe()} has no function for {op}"
+        if field == "ragged_wrapper" and api.ragged_self_test:
+            return f"aiter {api.version} ragged logits self-test failed: {api.ragged_self_test}"
+        if api.fp8_dtype is not None and api.fp8_dtype != target.fp8_dtype:
+            return (f"this aiter build uses {str(api.fp8_dtype).replace('torch.', '')}, target {target} takes "
+                    f"{str(target.fp8_dtype).replace('torch.', '')}")
+        return None
+
+    return check
+
+
+def _ragged_factory():
+    from .logits import make_ragged_mqa_logits
+
+    return make_ragged_mqa_logits(launch="wrapper")
+
+
+def _topk_factory():
+    from .topk import make_topk_indices
+
+    return make_topk_indices()
+
+
+@hookimpl
+def dsa_indexer_register(registry: Registry) -> None:
+    # A simulated environment keeps its fixed facts; only an environment that probes the machine gets the probe.
+    if not registry.environment.name.startswith("simulated"):
+        registry.add_probe("aiter", _aiter_probe)
+    registry.implementation(
+        "ragged_mqa_logits", impl_id="ragged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
+        requires=("gpu", "aiter"), available=_available("ragged_wrapper", "ragged_mqa_logits"),
+        supports=_ragged_supports,
+        description="aiter Triton fp8_mqa_logits, starts aligned down to 128 then the head re-masked",
+        info={"vendor_function": "aiter.ops.triton.fp8_mqa_logits.fp8_mqa_logits",
+              "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
+                            "are passed rounded down and columns [ks & ~127, ks) are set to -inf after"},
+    )(_ragged_factory)
+    registry.implementation(
+        "topk_indices", impl_id="topk_indices.rocm.aiter", targets=AITER_TARGETS, priority=TOPK_PRIORITY,
+        requires=("gpu", "aiter"), available=_available("topk_decode", "topk_indices"), supports=_topk_supports,
+        description="aiter HIP top_k_per_row_decode (k=2048); ties NOT lower-index (atomics): opt-in, below Triton",
+        info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode",
+              "ties": "which of several equal logits at the k-th value are kept is not deterministic"},
+    )(_topk_factory)

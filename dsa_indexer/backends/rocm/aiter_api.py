@@ -1,0 +1,139 @@
+"""The environment fact ``aiter``: is a usable aiter here, which of its functions exist, do they pass a self-test.
+
+``import aiter`` needs a ROCm install (it reads the GPU arch at import) and may fail in many ways on other
+machines, so the probe checks cheap facts first (installed, ROCm build of torch, a visible GPU, not inside
+graph capture), then imports aiter inside a try, finds the functions the adapters use by feature (module
+paths moved between releases), and runs the ragged-logits adapter once against the reference on the GPU.
+Every failure becomes a reason string; the probe never raises. It runs once per process, at the first
+resolution that needs the fact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("dsa_indexer")
+
+INSTALL_HINT = "pip install 'dsa-indexer[rocm]' (amd-aiter) on a ROCm machine"
+
+
+@dataclass(frozen=True)
+class AiterApi:
+    """What the installed aiter offers to the adapters (dotted paths of the functions found, None = absent)."""
+
+    version: str
+    fp8_dtype: torch.dtype | None = None  # aiter.dtypes.fp8: e4m3fnuz on gfx942, e4m3fn on gfx950
+    ragged_wrapper: str | None = None
+    ragged_kernel: str | None = None
+    topk_decode: str | None = None
+    fused_rms_quant: str | None = None
+    ragged_self_test: str | None = None  # None: passed (or not run); else why it failed
+
+    def describe(self) -> str:
+        fp8 = str(self.fp8_dtype).replace("torch.", "") if self.fp8_dtype is not None else "?"
+        return (f"aiter {self.version} (fp8 {fp8}; ragged logits: {self.ragged_wrapper or '-'}; "
+                f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'})")
+
+
+def _version() -> str:
+    try:
+        from importlib import metadata
+
+        return metadata.version("amd-aiter")
+    except Exception:  # noqa: BLE001 - a source install has no distribution metadata
+        module = sys.modules.get("aiter")
+        return str(getattr(module, "__version__", "(unknown version)"))
+
+
+def detect_api() -> AiterApi:
+    """Find, in the importable aiter, the functions the adapters call (imports aiter and its submodules)."""
+    import aiter
+
+    from . import logits, quant, topk
+
+    dtypes = getattr(aiter, "dtypes", None)
+    api = AiterApi(version=_version(), fp8_dtype=getattr(dtypes, "fp8", None))
+    wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
+    decode, fused = topk.find_decode(), quant.find_fused_rms_quant()
+    return dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
+                               ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
+                               fused_rms_quant=fused[0] if fused else None)
+
+
+def self_test(api: AiterApi, device: torch.device) -> AiterApi:
+    """Run the ragged-logits adapter (aiter's wrapper + the alignment workaround) once against the reference;
+    the outcome is recorded in the returned api (only that implementation is turned off when it fails)."""
+    if api.ragged_wrapper is None or api.fp8_dtype is None:
+        return api
+    from . import logits
+
+    try:
+        logits.check_ragged_adapter(logits.make_ragged_mqa_logits(launch="wrapper"), device, api.fp8_dtype)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the reason
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return dataclasses.replace(api, ragged_self_test=f"{type(exc).__name__}: {text}")
+    return api
+
+
+_lock = threading.Lock()
+_detected: AiterApi | None = None
+
+
+def detected_api() -> AiterApi | None:
+    """The API the probe found in this process (None before the probe ran or when it failed)."""
+    return _detected
+
+
+def reset_detection() -> None:
+    """Forget the probe's result (tests)."""
+    global _detected
+    with _lock:
+        _detected = None
+
+
+def _installed() -> bool:
+    if "aiter" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("aiter") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def probe() -> str | None:
+    """None when aiter imports on a ROCm GPU and exposes at least one function the adapters use; else the
+    reason. Never raises."""
+    global _detected
+    if not _installed():
+        return f"aiter is not installed ({INSTALL_HINT})"
+    if not torch.version.hip:
+        return "aiter needs a ROCm build of torch (torch.version.hip is None)"
+    if not torch.cuda.is_available():
+        return "aiter is installed but torch sees no ROCm GPU"
+    if torch.cuda.is_current_stream_capturing():
+        reason = ("aiter was first resolved inside graph capture, where its self-test cannot run; run the step "
+                  "once eagerly before capturing")
+        log.warning("dsa_indexer: %s", reason)
+        return reason
+    try:
+        api = detect_api()
+    except BaseException as exc:  # noqa: BLE001 - aiter's import may even call exit() when ROCm tools are missing
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return f"aiter is installed but failed to import ({type(exc).__name__}: {exc})"
+    if not (api.ragged_wrapper or api.topk_decode):
+        return (f"aiter {api.version} exposes none of the functions this backend adapts "
+                f"(fp8_mqa_logits, top_k_per_row_decode)")
+    api = self_test(api, torch.device("cuda", torch.cuda.current_device()))
+    with _lock:
+        _detected = api
+    log.info("dsa_indexer: found %s%s", api.describe(),
+             f"; ragged logits self-test failed: {api.ragged_self_test}" if api.ragged_self_test else "")
+    return None

@@ -1,0 +1,703 @@
+"""The AMD (aiter) and Ascend (torch_npu) backends without their hardware: resolution tables, the probes, and the
+adapters' argument handling.
+
+Most adapter tests use FAKE ``aiter`` / ``torch_npu`` modules installed in ``sys.modules``: plain Python functions
+that record their arguments and compute their results with the reference kernels (or, for aiter's ragged logits,
+with a torch emulation of the documented block walk, bug included). They test only how the adapters call the
+vendor functions and post-process their output; they say nothing about the vendor kernels themselves.
+
+One test runs aiter's REAL Triton logits kernel (from ``$DSA_AITER_PKG``, default ``.deps/aiter_pkg``, skipped when
+absent) in Triton's CPU interpreter behind a test-only ``sys.modules`` shim, so the alignment workaround is also
+checked against the real bug. tests/gpu/test_rocm_aiter_kernels_on_h200.py does the same on the H200.
+
+Tolerances: ragged logits within 1e-4 x the row's largest |logit| on CPU (the same fp32 products summed in another
+order), 2e-3 on a GPU (fp8 MMA accumulation); -inf patterns and top-k index sets exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsa_indexer.backends import npu as npu_backend
+from dsa_indexer.backends import rocm as rocm_backend
+from dsa_indexer.backends.npu import lightning as npu_lightning
+from dsa_indexer.backends.reference import kernels as ref
+from dsa_indexer.backends.rocm import aiter_api
+from dsa_indexer.backends.rocm import logits as rocm_logits
+from dsa_indexer.backends.rocm import topk as rocm_topk
+from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
+from dsa_indexer.quant import PRODUCER_UNROUNDED
+from dsa_indexer.validate import IndexerInputError
+
+GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
+NPU = Target("npu", "npu")
+ROCM_TARGETS = {GFX942: "fnuz", GFX950: "fn"}
+WITH_AITER = Environment.simulated(gpu=True, triton=True, aiter=True)
+WITHOUT_AITER = Environment.simulated(gpu=True, triton=True, aiter="aiter is not installed (simulated)")
+RAGGED = dict(heads=64, dim=128)
+TOPK = dict(k=2048, slots=False, starts=False)
+AITER_PKG = Path(os.environ.get("DSA_AITER_PKG", Path(__file__).parents[1] / ".deps" / "aiter_pkg"))
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = Registry()
+    load_plugins(reg, entry_points=False)
+    return reg
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _candidate(res, impl_id):
+    return next(c for c in res.candidates if c.impl.impl_id == impl_id)
+
+
+def _ragged(target, **facts):
+    return Problem(**{**RAGGED, "fp8": ROCM_TARGETS.get(target, "fn"), **facts})
+
+
+# --- resolution: ragged logits -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", [GFX942, GFX950])
+def test_aiter_ragged_logits_chosen_with_aiter_triton_without(registry, target):
+    res = registry.resolve("ragged_mqa_logits", target, _ragged(target), environment=WITH_AITER)
+    assert res.chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+    assert _candidate(res, "ragged_mqa_logits.triton.logits").reason.startswith("usable, lower priority")
+    assert "workaround" in res.explain()
+    res = registry.resolve("ragged_mqa_logits", target, _ragged(target), environment=WITHOUT_AITER)
+    assert res.chosen.impl_id == "ragged_mqa_logits.triton.logits"
+    assert _candidate(res, "ragged_mqa_logits.rocm.aiter").reason == "aiter is not installed (simulated)"
+
+
+@pytest.mark.parametrize("target, fp8, words", [
+    (GFX950, "fnuz", "fp8=fnuz on gfx950: aiter there takes float8_e4m3fn"),
+    (GFX942, "fn", "fp8=fn on gfx942: aiter there takes float8_e4m3fnuz"),
+])
+def test_fp8_flavour_of_the_other_arch_is_rejected(registry, target, fp8, words):
+    res = registry.resolve("ragged_mqa_logits", target, _ragged(target, fp8=fp8), environment=WITH_AITER)
+    verdict = _candidate(res, "ragged_mqa_logits.rocm.aiter")
+    assert not verdict.accepted and words in verdict.reason
+    assert res.chosen.impl_id == "ragged_mqa_logits.triton.logits"
+
+
+def test_gfx1250_is_named_and_not_enabled(registry):
+    res = registry.resolve("ragged_mqa_logits", GFX1250, _ragged(GFX1250), environment=WITH_AITER)
+    assert res.chosen.impl_id == "ragged_mqa_logits.triton.logits"
+    reason = _candidate(res, "ragged_mqa_logits.rocm.aiter").reason
+    assert reason.startswith("gfx1250: no public integration runs aiter's fp8_mqa_logits")
+    res = registry.resolve("topk_indices", GFX1250, Problem(**TOPK), environment=WITH_AITER)
+    assert "gfx1250" in _candidate(res, "topk_indices.rocm.aiter").reason
+
+
+@pytest.mark.parametrize("facts, words", [
+    (dict(heads=48), "heads=48"), (dict(heads=8), "heads=8"), (dict(heads=256), "heads=256"),
+    (dict(dim=64), "head dim 64"),
+])
+def test_ragged_shapes_outside_the_kernel_are_rejected(registry, facts, words):
+    res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950, **facts), environment=WITH_AITER)
+    verdict = _candidate(res, "ragged_mqa_logits.rocm.aiter")
+    assert not verdict.accepted and words in verdict.reason
+
+
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+def test_ragged_power_of_two_heads_accepted(registry, heads):
+    res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950, heads=heads), environment=WITH_AITER)
+    assert res.chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+
+
+# --- resolution: top-k and the ops aiter does not serve -------------------------------------------------------------
+def test_aiter_topk_ranks_below_triton_and_is_usable_when_forced(registry):
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=WITH_AITER)
+    assert res.chosen.impl_id == "topk_indices.triton.topk"
+    assert _candidate(res, "topk_indices.rocm.aiter").reason == "usable, lower priority than topk_indices.triton.topk"
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=WITH_AITER,
+                           force="topk_indices.rocm.aiter")
+    assert res.chosen.impl_id == "topk_indices.rocm.aiter"
+    assert "not deterministic" in res.explain()
+    no_triton = Environment.simulated(gpu=True, triton=False, aiter=True)
+    res = registry.resolve("topk_indices", GFX942, Problem(**TOPK), environment=no_triton)
+    assert res.chosen.impl_id == "topk_indices.rocm.aiter"
+
+
+@pytest.mark.parametrize("facts, words", [(dict(k=512), "k=512"), (dict(starts=True), "ragged row starts")])
+def test_aiter_topk_rejects_other_k_and_ragged_starts(registry, facts, words):
+    res = registry.resolve("topk_indices", GFX950, Problem(**{**TOPK, **facts}), environment=WITH_AITER,
+                           force="topk_indices.rocm.aiter")
+    assert res.chosen is None and words in _candidate(res, "topk_indices.rocm.aiter").reason
+
+
+@pytest.mark.parametrize("op", sorted(rocm_backend.UNREGISTERED))
+def test_ops_aiter_cannot_serve_have_no_rocm_implementation(registry, op):
+    res = registry.resolve(op, GFX950, Problem(), environment=WITH_AITER)
+    assert not [c for c in res.candidates if c.impl.vendor == "rocm"]
+    assert res.chosen is not None  # Triton or the reference serves it, visibly
+
+
+def test_paged_logits_on_rocm_go_to_triton(registry):
+    res = registry.resolve("paged_mqa_logits", GFX942, Problem(heads=64, dim=128, next_n=1, fp8="fnuz"),
+                           environment=WITH_AITER)
+    assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
+
+
+def test_simulated_environment_keeps_its_aiter_and_torch_npu_facts():
+    env = Environment.simulated(gpu=True, aiter=True, torch_npu=True)
+    reg = Registry(environment=env)
+    load_plugins(reg, entry_points=False)
+    assert env.missing("aiter") is None and env.missing("torch_npu") is None  # not replaced by the real probes
+
+
+def test_detected_api_decides_availability(registry, monkeypatch):
+    """After a real probe (here: a patched detection result) the detected functions, the self-test outcome and the
+    fp8 flavour of the aiter build decide; a simulated environment ignores them."""
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed")
+    full = aiter_api.AiterApi(version="0.0-fake", fp8_dtype=torch.float8_e4m3fn, ragged_wrapper="w",
+                              topk_decode="t")
+    monkeypatch.setattr(aiter_api, "_detected", full)
+    assert registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950),
+                            environment=probed).chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+    res = registry.resolve("ragged_mqa_logits", GFX942, _ragged(GFX942), environment=probed)
+    assert "this aiter build uses float8_e4m3fn, target gfx942 takes float8_e4m3fnuz" in \
+        _candidate(res, "ragged_mqa_logits.rocm.aiter").reason
+    monkeypatch.setattr(aiter_api, "_detected", aiter_api.AiterApi(version="0.0-fake", fp8_dtype=torch.float8_e4m3fn,
+                                                                   ragged_wrapper="w", ragged_self_test="boom"))
+    probed2 = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed2")
+    res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950), environment=probed2)
+    assert _candidate(res, "ragged_mqa_logits.rocm.aiter").reason.endswith("self-test failed: boom")
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed2,
+                           force="topk_indices.rocm.aiter")
+    assert "has no function for topk_indices" in _candidate(res, "topk_indices.rocm.aiter").reason
+    res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950), environment=WITH_AITER)
+    assert res.chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+
+
+# --- resolution: npu -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("torch_npu", [True, False])
+def test_npu_resolves_every_op_to_the_reference_with_reasons(registry, torch_npu):
+    env = Environment.simulated(gpu=True, triton=True, torch_npu=torch_npu, aiter=True)
+    for op in registry.ops():
+        res = registry.resolve(op, NPU, Problem(), environment=env)
+        assert res.chosen is not None and res.chosen.vendor in ("reference", "generic"), op
+        assert not [c for c in res.candidates if c.impl.vendor == "npu"]
+        for cand in res.candidates:
+            if cand.impl.vendor in ("triton", "rocm", "cuda"):
+                assert cand.reason.startswith("serves ") and cand.reason.endswith("not npu")
+        assert not res.is_fallback  # nothing faster serves npu: no fallback warning
+
+
+# --- probes --------------------------------------------------------------------------------------------------------
+def _real_module_installed(name: str) -> bool:
+    import importlib.util
+
+    return name not in sys.modules and importlib.util.find_spec(name) is not None
+
+
+def test_aiter_probe_returns_reasons_and_never_raises(monkeypatch):
+    monkeypatch.setattr(aiter_api, "_detected", None)
+    if not _real_module_installed("aiter"):
+        monkeypatch.delitem(sys.modules, "aiter", raising=False)
+        assert aiter_api.probe().startswith("aiter is not installed (")
+    _install_fake_aiter(monkeypatch)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert aiter_api.probe() == "aiter needs a ROCm build of torch (torch.version.hip is None)"
+    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert aiter_api.probe() == "aiter is installed but torch sees no ROCm GPU"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def exits():
+        raise SystemExit("rocminfo not found")  # what a ROCm-less aiter import can do
+
+    monkeypatch.setattr(aiter_api, "detect_api", exits)
+    assert aiter_api.probe() == "aiter is installed but failed to import (SystemExit: rocminfo not found)"
+    assert aiter_api.detected_api() is None
+
+
+def _pretend_rocm_gpu(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = aiter_api.self_test
+    monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
+    monkeypatch.setattr(aiter_api, "_detected", None)
+
+
+def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch):
+    """The probe's logic with a fake aiter whose ragged kernel has the documented alignment bug: the adapter's
+    workaround makes the self-test pass. Not aiter, not a GPU."""
+    fake = _install_fake_aiter(monkeypatch)
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    assert api.ragged_wrapper == "aiter.ops.triton.fp8_mqa_logits.fp8_mqa_logits"
+    assert api.topk_decode == "aiter.ops.topk.top_k_per_row_decode"
+    assert api.fused_rms_quant == "aiter.ops.triton.fused_fp8_quant.fused_rms_fp8_group_quant"
+    assert api.fp8_dtype == torch.float8_e4m3fn and api.ragged_self_test is None
+    assert fake.calls and all(c[0] == "fp8_mqa_logits" for c in fake.calls)
+
+    _pretend_rocm_gpu(monkeypatch)
+    fake.ops.triton.fp8_mqa_logits.fp8_mqa_logits = lambda q, kv, *a: torch.zeros(q.shape[0], kv.shape[0])
+    assert aiter_api.probe() is None  # aiter itself is fine; only the ragged implementation is turned off
+    assert aiter_api.detected_api().ragged_self_test.startswith("AssertionError: row 0")
+
+
+def test_torch_npu_probe_returns_reasons(monkeypatch):
+    if not _real_module_installed("torch_npu"):
+        monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+        assert npu_backend.torch_npu_probe().startswith("torch_npu is not installed (")
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: False), raising=False)
+    assert npu_backend.torch_npu_probe() == "torch_npu imported but torch.npu.is_available() is False (no NPU visible)"
+
+    def broken():
+        raise RuntimeError("drv error")
+
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=broken), raising=False)
+    assert "is_available() failed (RuntimeError: drv error)" in npu_backend.torch_npu_probe()
+    monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    assert npu_backend.torch_npu_probe() is None
+
+
+# --- fake aiter ------------------------------------------------------------------------------------------------------
+def _emulated_aiter_fp8_mqa_logits(q, kv, kv_scales, weights, cu_starts, cu_ends):
+    """What aiter 0.1.7's ``_fp8_mqa_logits_kernel`` computes, emulated in torch from its documented block walk:
+    unmasked 128-column blocks from the row start up to the first block start >= ``end // 128 * 128``, then one
+    block whose window test uses offsets from ``end // 128 * 128`` while its pointers continue from the loop
+    (the alignment bug). Stores past the row end land in the next row or outside the buffer in the real kernel;
+    here they are dropped."""
+    rows, keys = q.shape[0], kv.shape[0]
+    out = torch.full((rows, keys), float("-inf"))
+    full = ref.ragged_mqa_logits(q, kv, kv_scales, weights, torch.zeros(rows, dtype=torch.int32),
+                                 torch.full((rows,), keys, dtype=torch.int32))
+    for r in range(rows):
+        start, end = max(int(cu_starts[r]), 0), min(int(cu_ends[r]), keys)
+        aligned_end = end // 128 * 128
+        col = start
+        while col < aligned_end:
+            out[r, col:min(col + 128, keys)] = full[r, col:min(col + 128, keys)]
+            col += 128
+        if aligned_end != end:
+            for i in range(128):
+                offset, dst = aligned_end + i, col + i
+                if start <= offset < end and dst < keys:
+                    out[r, dst] = full[r, dst] if offset < keys else 0.0
+    return out
+
+
+def _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
+    """aiter's decode top-k semantics (row r sees [0, seqLens[r // next_n] - next_n + r % next_n + 1); short rows
+    give 0..len-1 then -1), computed with the reference top-k."""
+    rows = torch.arange(numRows)
+    ends = (seqLens.long()[rows // next_n] - next_n + rows % next_n + 1).to(torch.int32)
+    out = ref.topk_indices(logits[:numRows], 2048, ends)
+    short = ends <= 2048
+    ramp = torch.arange(2048)[None, :].expand(numRows, 2048)
+    out[short] = torch.where(ramp[short] < ends[short, None], ramp[short], -1).to(torch.int32)
+    indices.copy_(out)
+
+
+def _emulated_fused_rms_fp8_group_quant(inp1, inp1_weight, inp1_epsilon, inp2=None, inp2_weight=None,
+                                        inp2_epsilon=None, group_size=128, dtype_quant=torch.float8_e4m3fn, res1=None,
+                                        output_unquantized_inp1=False, transpose_scale=False):
+    """aiter's fused RMSNorm + group quant recipe in torch: quantize the fp32 normed value (before the bf16
+    rounding), amax clamped at 1e-10, range torch.finfo(dtype).max, multiply by 1/scale."""
+    xf = inp1.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + inp1_epsilon) * inp1_weight.float()
+    groups = normed.reshape(normed.shape[0], -1, group_size)
+    fmax = torch.finfo(dtype_quant).max
+    scale = groups.abs().amax(dim=-1).clamp_min(1e-10) / fmax
+    x_fp8 = (groups * (1.0 / scale)[..., None]).clamp(-fmax, fmax).to(dtype_quant).reshape(inp1.shape)
+    return (x_fp8, scale), (normed.to(inp1.dtype) if output_unquantized_inp1 else None), None, None
+
+
+def _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=False, with_stable=False):
+    """A fake aiter package tree in sys.modules whose functions record their calls (see the module docstring)."""
+    calls = []
+    names = ["aiter", "aiter.dtypes", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.fp8_mqa_logits",
+             "aiter.ops.triton.fused_fp8_quant", "aiter.ops.topk"]
+    mods = {name: types.ModuleType(name) for name in names}
+    for name, mod in mods.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(mods[parent], child, mod)
+        if name != "aiter.dtypes":
+            mod.__path__ = []
+        monkeypatch.setitem(sys.modules, name, mod)
+    mods["aiter.dtypes"].fp8 = fp8
+
+    if with_clean_logits:
+        def fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=False):
+            calls.append(("fp8_mqa_logits", (Q, KV, kv_scales, weights, cu_starts, cu_ends),
+                          {"clean_logits": clean_logits}))
+            return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
+    else:
+        def fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends):
+            calls.append(("fp8_mqa_logits", (Q, KV, kv_scales, weights, cu_starts, cu_ends), {}))
+            return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
+
+    if with_stable:
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048, stable=False):
+            calls.append(("top_k_per_row_decode", (logits, next_n, seqLens, indices, numRows, stride0, stride1),
+                          {"k": k, "stable": stable}))
+            _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
+    else:
+        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
+            calls.append(("top_k_per_row_decode", (logits, next_n, seqLens, indices, numRows, stride0, stride1), {}))
+            _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
+
+    def fused_rms_fp8_group_quant(*args, **kwargs):
+        calls.append(("fused_rms_fp8_group_quant", args, kwargs))
+        return _emulated_fused_rms_fp8_group_quant(*args, **kwargs)
+
+    mods["aiter.ops.triton.fp8_mqa_logits"].fp8_mqa_logits = fp8_mqa_logits
+    mods["aiter.ops.topk"].top_k_per_row_decode = top_k_per_row_decode
+    mods["aiter.ops.triton.fused_fp8_quant"].fused_rms_fp8_group_quant = fused_rms_fp8_group_quant
+    fake = mods["aiter"]
+    fake.calls = calls
+    return fake
+
+
+# --- ragged logits adapter -------------------------------------------------------------------------------------------
+def _ragged_inputs(rows, keys, heads=16, seed=0, fp8=torch.float8_e4m3fn, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(rows, heads, 128, generator=gen) * 30).to(fp8)
+    k = (torch.randn(keys, 128, generator=gen) * 30).to(fp8)
+    scales = torch.rand(keys, generator=gen) * 1e-2 + 1e-3
+    weights = torch.randn(rows, heads, generator=gen)
+    ks = torch.randint(0, keys + 1, (rows,), generator=gen, dtype=torch.int32)
+    edge = torch.tensor([0, 1, 127, 128, 129, 255, 256, keys], dtype=torch.int32).clamp_max(keys)
+    ks[: min(rows, edge.numel())] = edge[: min(rows, edge.numel())]
+    ke = torch.minimum(ks + torch.randint(0, 400, (rows,), generator=gen, dtype=torch.int32),
+                       torch.tensor(keys, dtype=torch.int32))
+    return [t.to(device) for t in (q, k, scales, weights, ks, ke)]
+
+
+def _check_logits(out, expected):
+    """-inf exactly where the reference masks, no NaN, finite values within the stated tolerance."""
+    out, expected = out.cpu(), expected.cpu()
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    assert not torch.isnan(out).any()
+    visible = torch.isfinite(expected)
+    assert torch.equal(torch.isneginf(out), ~visible)
+    tol = 2e-3 if torch.cuda.is_available() else 1e-4
+    row_max = torch.where(visible, expected.abs(), torch.zeros_like(expected)).amax(dim=1, keepdim=True)
+    err = torch.where(visible, (out - expected).abs(), torch.zeros_like(out))
+    assert bool((err <= tol * row_max + tol * expected.abs().nan_to_num(posinf=0, neginf=0)).all())
+
+
+def test_emulated_kernel_reproduces_the_alignment_bug():
+    """The fake is only useful if it has the bug: unaligned starts give wrong windows, aligned ones do not."""
+    q, k, s, w, ks, ke = _ragged_inputs(12, 600)
+    raw = _emulated_aiter_fp8_mqa_logits(q, k, s, w, ks, ke)
+    want = ref.ragged_mqa_logits(q, k, s, w, ks, ke)
+    unaligned = (ks % 128 != 0) & (ke > ks)
+    assert unaligned.any()
+    wrong = (torch.isneginf(raw) != torch.isneginf(want)).any(dim=1)
+    # Every wrong row has an unaligned start; an unaligned row can come out right only when its window ends at
+    # the last key (its stray stores fall outside the buffer, which the emulation drops).
+    assert not bool(wrong[~unaligned].any())
+    assert bool(wrong[unaligned & (ke < k.shape[0])].all())
+
+
+def test_ragged_adapter_aligns_starts_and_masks_the_head():
+    """Argument handling: starts passed rounded down to 128, ends and scales unchanged (contiguous), the
+    [aligned, ks) columns re-masked; the result equals the reference although the fake has the bug."""
+    calls = []
+
+    def recording(q, kv, kv_scales, weights, starts, ends):
+        calls.append((q, kv, kv_scales, weights, starts, ends))
+        return _emulated_aiter_fp8_mqa_logits(q, kv, kv_scales, weights, starts, ends)
+
+    q, k, s, w, ks, ke = _ragged_inputs(16, 700)
+    s_strided = torch.stack([s, s], dim=1)[:, 0]  # non-contiguous scales
+    fn = rocm_logits.make_ragged_mqa_logits(recording)
+    out = fn(q, k, s_strided, w, ks, ke)
+    _check_logits(out, ref.ragged_mqa_logits(q, k, s, w, ks, ke))
+    (cq, ck, cs, cw, starts, ends), = calls
+    assert cq is q and ck is k and cw is w and cs.is_contiguous() and torch.equal(cs, s)
+    assert starts.dtype == torch.int32 and torch.equal(starts, ks - ks % 128) and torch.equal(ends, ke)
+
+
+def test_ragged_adapter_empty_shapes_and_clean_logits():
+    fn = rocm_logits.make_ragged_mqa_logits(lambda *a: pytest.fail("no launch for empty shapes"))
+    q, k, s, w, ks, ke = _ragged_inputs(4, 200)
+    assert fn(q[:0], k, s, w[:0], ks[:0], ke[:0]).shape == (0, 200)
+    out = fn(q, k[:0], s[:0], w, torch.zeros_like(ks), torch.zeros_like(ke))
+    assert out.shape == (4, 0) and out.dtype == torch.float32
+    seen = {}
+
+    def newer(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=False):
+        seen["clean_logits"] = clean_logits
+        return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
+
+    out = rocm_logits.make_ragged_mqa_logits(newer)(q, k, s, w, ks, ke)
+    _check_logits(out, ref.ragged_mqa_logits(q, k, s, w, ks, ke))
+    assert seen == {"clean_logits": True}
+
+
+def test_mask_head_triton_kernel_matches_the_torch_mask(device):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 300, generator=gen)
+    hi = torch.tensor([0, 1, 127, 128, 130, 255, 257, 299, 300], dtype=torch.int32)
+    lo = torch.bitwise_and(hi, -128)
+    want = rocm_logits.mask_head_(logits.clone(), lo, hi, use_triton=False)
+    got = rocm_logits.mask_head_(logits.clone().to(device), lo.to(device), hi.to(device), use_triton=True)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(torch.isneginf(want), (torch.arange(300)[None, :] >= lo[:, None].long())
+                       & (torch.arange(300)[None, :] < hi[:, None].long()))
+
+
+def test_registry_builds_the_ragged_adapter_from_the_installed_aiter(monkeypatch):
+    """The registered factory finds aiter's wrapper by feature (fake module here) and the op runs end to end."""
+    fake = _install_fake_aiter(monkeypatch, with_clean_logits=True)
+    reg = Registry(environment=WITH_AITER)
+    load_plugins(reg, entry_points=False)
+    problem = _ragged(GFX950, heads=16)
+    fn = reg.function("ragged_mqa_logits", GFX950, problem)
+    assert reg.used[("ragged_mqa_logits", GFX950, problem)].chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+    args = _ragged_inputs(10, 450)
+    _check_logits(fn(*args), ref.ragged_mqa_logits(*args))
+    assert fake.calls[-1][2] == {"clean_logits": True}
+
+
+@contextlib.contextmanager
+def _aiter_shim(pkg: Path):
+    """Test-only: ``import aiter`` needs ROCm, but its Triton kernel files are plain Triton. An empty ``aiter``
+    module whose ``__path__`` is the installed package lets ``aiter.ops.triton...`` import; everything imported
+    under ``aiter`` is removed afterwards."""
+    before = {name: mod for name, mod in sys.modules.items() if name == "aiter" or name.startswith("aiter.")}
+    for name in before:
+        del sys.modules[name]
+    shim = types.ModuleType("aiter")
+    shim.__path__ = [str(pkg / "aiter")]
+    dtypes = types.ModuleType("aiter.dtypes")
+    dtypes.fp8 = torch.float8_e4m3fn
+    shim.dtypes = dtypes
+    sys.modules["aiter"], sys.modules["aiter.dtypes"] = shim, dtypes
+    try:
+        yield shim
+    finally:
+        for name in [n for n in sys.modules if n == "aiter" or n.startswith("aiter.")]:
+            del sys.modules[name]
+        sys.modules.update(before)
+
+
+@pytest.mark.skipif(not (AITER_PKG / "aiter" / "ops" / "triton").is_dir(),
+                    reason=f"aiter's Python package not found at {AITER_PKG} (set DSA_AITER_PKG)")
+def test_workaround_with_aiters_real_kernel_in_the_interpreter(device):
+    """aiter's real ``_fp8_mqa_logits_kernel`` (Triton's CPU interpreter without CUDA), launched by
+    `kernel_launcher` through the adapter, on starts that are not multiples of 128. The raw kernel is not run
+    with such starts here: its out-of-bounds stores crash the interpreter."""
+    with _aiter_shim(AITER_PKG):
+        fn = rocm_logits.make_ragged_mqa_logits(launch="kernel")
+        args = _ragged_inputs(10, 300, heads=16, seed=5, device=device)
+        _check_logits(fn(*args), ref.ragged_mqa_logits(*[a.cpu() for a in args]))
+
+
+# --- top-k adapter --------------------------------------------------------------------------------------------------
+def _topk_logits(rows, cols, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen)  # continuous values: no ties
+
+
+def _same_sets(out, expected):
+    assert out.shape == expected.shape and out.dtype == torch.int32
+    for row in range(out.shape[0]):
+        assert sorted(out[row].tolist()) == sorted(expected[row].tolist()), f"row {row}"
+
+
+@pytest.mark.parametrize("with_stable", [False, True])
+def test_topk_adapter_passes_decode_arguments(monkeypatch, with_stable):
+    fake = _install_fake_aiter(monkeypatch, with_stable=with_stable)
+    fn = rocm_topk.make_topk_indices()
+    logits = _topk_logits(5, 3000)
+    ends = torch.tensor([0, 10, 2048, 2049, 3000], dtype=torch.int32)
+    out = fn(logits, 2048, ends)
+    _same_sets(out, ref.topk_indices(logits, 2048, ends))
+    (name, (lg, next_n, seq_lens, indices, num_rows, s0, s1), kwargs), = fake.calls
+    assert lg is logits and next_n == 1 and torch.equal(seq_lens, ends) and num_rows == 5 and (s0, s1) == (3000, 1)
+    assert indices.dtype == torch.int32 and indices.shape == (5, 2048)
+    assert kwargs == ({"k": 2048, "stable": True} if with_stable else {})
+
+
+def test_topk_adapter_copies_strided_logits_and_converts_to_slots(monkeypatch):
+    fake = _install_fake_aiter(monkeypatch)
+    fn = rocm_topk.make_topk_indices()
+    wide = _topk_logits(6, 4400, seed=2)
+    logits = wide[:, ::2]  # column stride 2
+    ends = torch.tensor([2200, 5, 100, 2100, 0, 2049], dtype=torch.int32)
+    table = torch.randint(0, 50, (3, 40), dtype=torch.int32)
+    rows = torch.tensor([0, 0, 1, 2, 1, 2], dtype=torch.int32)
+    out = fn(logits, 2048, ends, None, table, rows)
+    _same_sets(out, ref.topk_indices(logits, 2048, ends, None, table, rows))
+    passed = fake.calls[0][1][0]
+    assert passed.stride(1) == 1 and torch.equal(passed, logits)
+
+
+def test_topk_adapter_refuses_what_resolution_should_have_refused(monkeypatch):
+    _install_fake_aiter(monkeypatch)
+    fn = rocm_topk.make_topk_indices()
+    logits = _topk_logits(2, 100)
+    ends = torch.tensor([50, 100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k=2048"):
+        fn(logits, 512, ends)
+    with pytest.raises(ValueError, match="starts given"):
+        fn(logits, 2048, ends, torch.zeros(2, dtype=torch.int32))
+
+
+# --- fused RMSNorm + quant adapter (not registered) ------------------------------------------------------------------
+def _fp8_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|ordinal(a) - ordinal(b)| for e4m3 codes (sign-magnitude bytes; +0 and -0 both ordinal 0)."""
+    def ordinal(x):
+        code = x.view(torch.uint8).to(torch.int32)
+        mag = code & 0x7F
+        return torch.where(code >= 0x80, -mag, mag)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+def test_fused_rms_quant_adapter_arguments_and_layout_tag(monkeypatch):
+    fake = _install_fake_aiter(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 512, generator=gen).to(torch.bfloat16)
+    w = torch.rand(512, generator=gen).to(torch.bfloat16) + 0.5
+    normed, quant = rocm_backend.aiter_fused_rms_fp8_group_quant(x, w, 1e-6)
+    (name, args, kwargs), = fake.calls
+    assert args[0] is x and args[1] is w and args[2] == 1e-6
+    assert kwargs == dict(group_size=128, dtype_quant=torch.float8_e4m3fn, output_unquantized_inp1=True,
+                          transpose_scale=False)
+    lay = quant.layout
+    assert lay.producer == PRODUCER_UNROUNDED
+    assert (lay.group_size, lay.ue8m0, lay.scale_major, lay.rows) == (128, False, "row", 7)
+    assert lay.fp8_dtype == torch.float8_e4m3fn and quant.scales.shape == (7, 4)
+    # The recipe difference the tag stands for (emulated here): within 1 fp8 ulp of the library's contract.
+    r_normed, r_fp8, r_scale = ref.rmsnorm_quant_fp8(x, w, 1e-6)
+    assert torch.equal(normed, r_normed)
+    assert int(_fp8_ulp_distance(quant.data, r_fp8).max()) <= 1
+    torch.testing.assert_close(quant.scales, r_scale, rtol=2 ** -8, atol=0)
+
+
+def test_fused_rms_quant_adapter_refuses_fnuz_and_bad_input(monkeypatch):
+    _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fnuz)
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    w = torch.ones(256, dtype=torch.bfloat16)
+    with pytest.raises(IndexerInputError, match="224"):
+        rocm_backend.aiter_fused_rms_fp8_group_quant(x, w)  # default dtype from aiter.dtypes.fp8 (gfx942 build)
+    with pytest.raises(IndexerInputError, match="multiple of 128"):
+        rocm_backend.aiter_fused_rms_fp8_group_quant(x[:, :200], w[:200], fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(IndexerInputError, match="eps"):
+        rocm_backend.aiter_fused_rms_fp8_group_quant(x, w, 0.0, fp8_dtype=torch.float8_e4m3fn)
+
+
+# --- NPU adapter -----------------------------------------------------------------------------------------------------
+def _install_fake_torch_npu(monkeypatch, tuple_result=True):
+    """A fake torch_npu whose npu_lightning_indexer records its arguments and computes the documented result
+    (sparse_mode 3 causal mask, request-local top-k, -1 padded) with the reference top-k."""
+    mod = types.ModuleType("torch_npu")
+    mod.calls = []
+
+    def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
+                              layout_query, layout_key, sparse_count, sparse_mode):
+        mod.calls.append(dict(query=query, key=key, weights=weights, actual_seq_lengths_query=actual_seq_lengths_query,
+                              actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
+                              layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
+                              sparse_mode=sparse_mode))
+        t, bs = query.shape[0], key.shape[1]
+        out = torch.full((t, 1, sparse_count), -1, dtype=torch.int32)
+        start = 0
+        for b, end in enumerate(actual_seq_lengths_query.tolist()):
+            n, length = end - start, int(actual_seq_lengths_key[b])
+            if n:
+                pages = block_table[b, : -(-length // bs)].long()
+                keys = key[pages].reshape(-1, key.shape[-1])[:length].float()
+                scores = torch.einsum("thd,sd->ths", query[start:end].float(), keys).clamp_min(0)
+                logits = torch.einsum("ths,th->ts", scores, weights[start:end].float())
+                ends = (length - n + torch.arange(n) + 1).clamp_min(0).to(torch.int32)
+                out[start:end, 0] = ref.topk_indices(logits, sparse_count, ends)
+            start = end
+        return (out, None) if tuple_result else out
+
+    mod.npu_lightning_indexer = npu_lightning_indexer
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    return mod
+
+
+def _npu_inputs(q_lens, k_lens, block_size=128, seed=6):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(q_lens)
+    q = torch.randn(t, 64, 128, generator=gen).to(torch.bfloat16)
+    max_blocks = max(-(-k // block_size) for k in k_lens)
+    blocks = len(k_lens) * max_blocks + 3
+    cache = torch.randn(blocks, block_size, 1, 128, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(blocks, generator=gen)[: len(k_lens) * max_blocks].reshape(len(k_lens), max_blocks)
+    weights = torch.randn(t, 64, generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return q, cache, weights, cu, torch.tensor(k_lens, dtype=torch.int32), table.to(torch.int32)
+
+
+def _npu_expected(q, cache, weights, cu, k_lens, table, k):
+    """Per token, straight from the contract: logits over the request's visible keys, reference top-k."""
+    rows = []
+    for b in range(k_lens.numel()):
+        start, end, length = int(cu[b]), int(cu[b + 1]), int(k_lens[b])
+        keys = cache[table[b].long()].reshape(-1, 128)[:length].float()
+        for i in range(end - start):
+            visible = length - (end - start) + i + 1
+            logits = torch.full((1, max(length, 1)), float("-inf"))
+            wt = weights[start + i].to(torch.bfloat16).float()
+            logits[0, :length] = (torch.relu(q[start + i].float() @ keys.T) * wt[:, None]).sum(0)
+            rows.append(ref.topk_indices(logits, k, torch.tensor([visible], dtype=torch.int32)))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("tuple_result", [True, False])
+def test_npu_adapter_calls_torch_npu_with_the_documented_arguments(monkeypatch, tuple_result):
+    fake = _install_fake_torch_npu(monkeypatch, tuple_result)
+    q, cache, weights, cu, k_lens, table = _npu_inputs([3, 1, 5], [300, 40, 129])
+    out = npu_lightning.npu_lightning_indexer_bf16(q, cache, weights, cu, k_lens, table, 64)
+    assert out.shape == (9, 64) and out.dtype == torch.int32
+    _same_sets(out, _npu_expected(q, cache, weights, cu, k_lens, table, 64))
+    call, = fake.calls
+    fixed = (call["layout_query"], call["layout_key"], call["sparse_count"], call["sparse_mode"])
+    assert fixed == ("TND", "PA_BSND", 64, 3)
+    assert torch.equal(call["actual_seq_lengths_query"], torch.tensor([3, 4, 9], dtype=torch.int32))
+    assert torch.equal(call["actual_seq_lengths_key"], k_lens)
+    assert call["weights"].dtype == torch.bfloat16 and call["query"] is q and call["key"] is cache
+    assert call["block_table"].dtype == torch.int32
+    assert bool((out[3:4, 40:] == -1).all())  # the 40-key request's token sees 40 keys: the rest is padding
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(q=torch.zeros(2, 32, 128, dtype=torch.bfloat16)), "q_bf16 must be [T, 64, 128]"),
+    (dict(cache=torch.zeros(4, 24, 1, 128, dtype=torch.bfloat16)), "block size 24"),
+    (dict(k=4096), "k must be an int in [1, 2048]"),
+    (dict(cu=torch.tensor([1, 2], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
+    (dict(cache=torch.zeros(4, 128, 1, 128, dtype=torch.float16)), "key_cache_bf16 must have dtype bfloat16"),
+])
+def test_npu_adapter_rejects_bad_input_by_name(monkeypatch, bad, words):
+    _install_fake_torch_npu(monkeypatch)
+    q, cache, weights, cu, k_lens, table = _npu_inputs([2], [50])
+    args = dict(q=q, cache=cache, weights=weights, cu=cu, k_lens=k_lens, table=table, k=16)
+    args.update(bad)
+    if args["q"].shape[0] != weights.shape[0]:
+        args["weights"] = torch.zeros(args["q"].shape[0], 64)
+    with pytest.raises(IndexerInputError) as info:
+        npu_lightning.npu_lightning_indexer_bf16(args["q"], args["cache"], args["weights"], args["cu"],
+                                                 args["k_lens"], args["table"], args["k"])
+    assert words in str(info.value)
+
+
+def test_npu_adapter_signature_is_the_documented_one():
+    params = list(inspect.signature(npu_lightning.npu_lightning_indexer_bf16).parameters)
+    assert params == ["q_bf16", "key_cache_bf16", "weights", "cu_seqlens_q", "seq_lens_k", "block_table", "k"]
