@@ -108,6 +108,7 @@ class Indexer(nn.Module):
             self.k_norm = None
         self.register_buffer("cos_sin", cos_sin_table(config.rope_dim, config.max_position, config.rope_theta,
                                                       config.yarn, device), persistent=False)
+        self.requires_grad_(False)  # an inference module: its output is integer indices
         self.logits_budget_bytes = logits_budget_bytes
         self.reuse_stats: Counter[str] = Counter()
         # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel): one fp8 ulp may differ.
@@ -177,6 +178,7 @@ class Indexer(nn.Module):
             self.wq_b = layer
         else:
             self.wq_b = nn.Linear(cfg.q_lora_rank, expect[0], bias=False, device=device, dtype=self.dtype)
+            self.wq_b.requires_grad_(False)
             self.wq_b.weight.copy_(wq)
 
         def put(name: str, param: torch.Tensor, value: torch.Tensor) -> None:

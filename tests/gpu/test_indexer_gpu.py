@@ -1,10 +1,12 @@
 """Indexer.forward on the GPU with the best implementations (Triton, DeepGEMM where built) against the reference.
 
 V3.2 shapes (hidden 7168, q_lora_rank 1536, 64 heads, top-2048), a decode batch and a prefill batch.
-Top-k sets must be equal, except for keys whose reference logit lies within the fp8 tolerance of the row's k-th
-logit: the kernels' prologues may round one fp8 element in a thousand the other way (a different summation
-order in the Hadamard), which moves logits by far less than 1e-3 of the row's scale; a swap between keys that
-close is a tie, not an error. Anything else (a wrong page, mask, position or scale) fails.
+Top-k sets must be equal, except for keys whose reference logit lies within 1% of the row's largest |logit| of the
+row's k-th logit, and at least 99.5% of all selected keys must agree. Why not exact: the wq_b GEMM writes q in
+bf16 (one ulp = 2**-8 relative), and DeepGEMM / Triton sum K in another order than the reference, so about a
+third of q's elements differ by one bf16 ulp; after the fp8 prologue and the signed sum over 64 heads this moves a
+logit by up to ~0.5% of the row's scale. A swap between keys that close to the k-th place is a tie, not an error;
+a wrong page, mask, position or scale moves keys far from it and fails.
 """
 
 import pytest
@@ -47,11 +49,14 @@ def _reference_logits_decode(indexer, cache, q_fp8_ref, weights_ref, batch):
                             batch.block_table, batch.max_context_len)
 
 
-def _assert_same_sets_up_to_ties(got, want, logits, starts=None, rel=2e-3):
+def _assert_same_sets_up_to_ties(got, want, logits, starts=None, rel=1e-2):
+    differ = total = 0
     for r in range(got.shape[0]):
         g = {i for i in got[r].tolist() if i >= 0}
         w = {i for i in want[r].tolist() if i >= 0}
         assert len(g) == len(w), f"row {r}: {len(g)} indices, reference {len(w)}"
+        total += len(w)
+        differ += len(w - g)
         if g == w:
             continue
         offset = 0 if starts is None else int(starts[r])
@@ -61,6 +66,7 @@ def _assert_same_sets_up_to_ties(got, want, logits, starts=None, rel=2e-3):
         for i in g ^ w:
             assert abs(row[i + offset].item() - kth) <= rel * scale, \
                 f"row {r}: key {i} differs from the reference and is not a tie at the k-th place"
+    assert differ <= 0.005 * total, f"{differ} of {total} selected keys differ from the reference"
 
 
 def test_decode_and_prefill_match_the_reference(setup):

@@ -262,6 +262,9 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
                     f"{api.describe()} takes 1-D context lengths with causal next_n semantics; context_lens must "
                     "satisfy context_lens[b, j] == context_lens[b, -1] - (next_n - 1 - j) (what DecodeBatch builds)")
             lens = lens2d[:, -1].contiguous()
+        # Rows with no visible key (CUDA-graph padding, warm-up) would make DeepGEMM fault: give it one key to
+        # read (page block_table[b, 0]) and mask the row back to all -inf below, from the true lengths.
+        lens = lens.clamp_min(1)
         meta = metadata(lens, PAGE_SIZE, _num_sms(module, q.device))
         q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
         logits = kernel(q_arg, kv_cache, weights.contiguous(), lens, block_table, meta, max_context_len, **extra)

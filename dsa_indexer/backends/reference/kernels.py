@@ -33,7 +33,10 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
     fmax = fp8_max(fp8_dtype)
     shape = x.shape
     groups = x.float().reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    scale = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / fmax
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    # Tensor / tensor: the correctly rounded quotient on every device (torch divides by a Python scalar on CUDA
+    # as a multiplication by its reciprocal, which can differ in the last bit).
+    scale = amax / torch.full_like(amax, fmax)
     if ue8m0:
         scale = ue8m0_round_up(scale)
     x_fp8 = (groups / scale).clamp(-fmax, fmax).to(fp8_dtype)

@@ -48,9 +48,9 @@ def _supports(op: str):
             return f"group_size {group}: the Triton quant kernels take 32, 64 or 128"
         if width is not None and width > 16384:
             return f"width {width} > 16384: one row must fit one Triton program"
-        k = problem.get("k")
-        if op in ("topk_indices", "lightning_indexer") and k is not None and k > 2048:
-            return f"k={k} > 2048: the Triton top-k keeps at most 2048 candidates per row"
+        heads = problem.get("heads")
+        if op in ("ragged_mqa_logits", "paged_mqa_logits") and heads is not None and heads not in (32, 64, 128):
+            return f"heads={heads}: the Triton logits kernels take 32, 64 or 128 heads"
         return None
 
     return check

@@ -1,0 +1,269 @@
+"""Triton kernels for the indexer logits: ragged (prefill) and paged (decode).
+
+Both compute ``L[row, key] = k_scale[key] * sum_h w[row, h] * relu(q[row, h] . k[key])`` with an fp8 x fp8
+``tl.dot`` accumulating in fp32, and write every element of their output (-inf where a row may not look).
+
+The matrix product is laid out keys x (rows * heads): a key tile is the MMA's M side and the query heads of a
+few rows are its N side, so the per-key sum over heads is a reduction along the accumulator's columns
+(in-thread adds plus a couple of lane shuffles on NVIDIA) instead of a reduction across warps. Both fp8 operands
+are K-major (the key tile is row-major [keys, 128], q is [heads, 128] transposed), which is what fp8 MMAs take.
+
+Signatures, positional order and results are those of ``dsa_indexer.backends.reference.kernels``.
+On CPU tensors (``TRITON_INTERPRET=1``) the same kernels run in Triton's interpreter with small tiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...cache import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
+
+# Query rows x heads per MMA tile of the ragged kernel (its N side): 128 = 2 rows of 64 heads.
+_RAGGED_TILE_COLS = 128
+_OVERRIDE: dict[str, dict] = {"ragged": {}, "paged": {}}
+
+
+@contextlib.contextmanager
+def config_override(kernel: str, **cfg):
+    """Force tile choices of the ``"ragged"`` or ``"paged"`` kernel within the block (benchmark sweeps, tests).
+    Ragged keys: block_m, block_n, num_warps, num_stages, splits. Paged: chunk, tile, num_warps, num_stages.
+    Not thread-safe; not for production use."""
+    saved = dict(_OVERRIDE[kernel])
+    _OVERRIDE[kernel].update(cfg)
+    try:
+        yield
+    finally:
+        _OVERRIDE[kernel] = saved
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: only the number of programs it creates matters
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ragged (prefill) logits
+
+
+@triton.jit
+def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+                          S, N, split_len,
+                          H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M query rows x the keys [split * split_len, +split_len) (one split of N).
+
+    q [S, H, D], k [N, D], w [S, H], out [S, N], all contiguous. The q tile of the rows stays on chip while the
+    program walks the key blocks that intersect the union of the rows' windows [ks, ke); blocks outside it are
+    only filled with -inf (no loads, no MMA): a causal prefill skips about half of the work that way.
+    """
+    # A 1-D grid (no 65535 limit on row blocks), splits fastest, heaviest rows first: in a causal prefill
+    # later rows see more keys, and programs launch roughly in pid order.
+    splits = tl.cdiv(N, split_len)
+    split = tl.program_id(0) % splits
+    row_block = tl.cdiv(S, BLOCK_M) - 1 - tl.program_id(0) // splits
+    n_lo = split * split_len
+    n_hi = tl.minimum(n_lo + split_len, N)
+
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    nonempty = row_ok & (ke > ks)
+    lo_key = tl.min(tl.where(nonempty, ks, N), axis=0)
+    hi_key = tl.max(tl.where(nonempty, ke, 0), axis=0)
+
+    # The q tile, [BLOCK_M * H, D]: column c of the MMA is (row c // H, head c % H).
+    cols = tl.arange(0, BLOCK_M * H)
+    col_rows = row_block * BLOCK_M + cols // H
+    col_ok = col_rows < S
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (col_rows.to(tl.int64) * H + cols % H)[:, None] * D + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    q_t = tl.trans(q)  # [D, BLOCK_M * H], K-major
+    w = tl.load(w_ptr + col_rows.to(tl.int64) * H + cols % H, mask=col_ok, other=0.0)
+
+    out_rows = out_ptr + rows.to(tl.int64) * N  # [BLOCK_M] row bases
+    neg_inf = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # Key blocks [c_start, c_stop) hold every visible key of this split (block aligned; split_len is a
+    # multiple of BLOCK_N). The clamps make an empty window give c_start == c_stop.
+    c_start = tl.minimum(tl.maximum(n_lo, (lo_key // BLOCK_N) * BLOCK_N), n_hi)
+    c_end = tl.minimum(hi_key, n_hi)
+    c_stop = c_start + tl.maximum((c_end - c_start + BLOCK_N - 1) // BLOCK_N, 0) * BLOCK_N
+
+    for n0 in range(n_lo, c_start, BLOCK_N):
+        keys = n0 + offs_n
+        tl.store(out_rows[None, :] + keys[:, None], neg_inf, mask=row_ok[None, :] & (keys < N)[:, None])
+
+    for n0 in range(c_start, c_stop, BLOCK_N):
+        keys = n0 + offs_n
+        key_ok = keys < N
+        k_tile = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
+        scores = tl.dot(k_tile, q_t)  # [BLOCK_N, BLOCK_M * H] fp32
+        scores = tl.maximum(scores, 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2) * k_scale[:, None]
+        visible = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :])
+        tl.store(out_rows[None, :] + keys[:, None], tl.where(visible, logits, neg_inf),
+                 mask=row_ok[None, :] & key_ok[:, None])
+
+    for n0 in range(c_stop, n_hi, BLOCK_N):
+        keys = n0 + offs_n
+        tl.store(out_rows[None, :] + keys[:, None], neg_inf, mask=row_ok[None, :] & (keys < N)[:, None])
+
+
+def _ragged_config(s: int, n: int, heads: int, device: torch.device) -> dict:
+    """Tile sizes and the key split; a pure function of the shapes (no host sync, graph-capturable)."""
+    over = _OVERRIDE["ragged"]
+    block_m = over.get("block_m", max(1, _RAGGED_TILE_COLS // heads))
+    if device.type == "cuda":
+        block_n, num_warps, num_stages = 128, 8, 3
+    else:
+        block_n, num_warps, num_stages = 16, 4, 1
+    block_n = over.get("block_n", block_n)
+    num_warps = over.get("num_warps", num_warps)
+    num_stages = over.get("num_stages", num_stages)
+    row_blocks = triton.cdiv(s, block_m)
+    key_blocks = triton.cdiv(n, block_n)
+    # Enough programs to fill the machine when there are few rows (short prefill chunk, long prefix).
+    target = 4 * _sm_count(device)
+    splits = over.get("splits", max(1, min(key_blocks, triton.cdiv(target, row_blocks))))
+    split_len = triton.cdiv(key_blocks, min(splits, key_blocks)) * block_n
+    splits = triton.cdiv(n, split_len)
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                splits=splits, split_len=split_len, row_blocks=row_blocks)
+
+
+def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                      ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """Prefill logits [S, N] f32: q [S, H, 128] fp8, k [N, 128] fp8, k_scales [N], weights [S, H], ks/ke [S] int32."""
+    s, heads, dim = q.shape
+    n = k.shape[0]
+    out = torch.empty((s, n), dtype=torch.float32, device=q.device)
+    if s == 0 or n == 0:
+        return out
+    if dim != HEAD_DIM or heads & (heads - 1):
+        raise ValueError(f"the Triton ragged logits kernel takes D=128 and a power-of-two head count, got {heads}x{dim}")
+    cfg = _ragged_config(s, n, heads, q.device)
+    grid = (cfg["splits"] * cfg["row_blocks"],)
+    _ragged_logits_kernel[grid](
+        q.contiguous(), k.contiguous(), k_scales.contiguous().float(), weights.contiguous().float(),
+        ks.contiguous(), ke.contiguous(), out, s, n, cfg["split_len"],
+        H=heads, D=dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Paged (decode) logits
+
+
+@triton.jit
+def _paged_logits_kernel(q_ptr, kv_ptr, kv_scale_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
+                         max_ctx, chunk, bt_stride,
+                         NEXT_N: tl.constexpr, NN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                         PAGE: tl.constexpr, PAGE_WORDS: tl.constexpr, TILE: tl.constexpr):
+    """One program: request b, context positions [c * chunk, +chunk), all next_n rows and all heads.
+
+    q [B, NEXT_N, H, D]; the request's q ([NEXT_N * H, D], padded to NN rows) is loaded once and every
+    64-token page (8 KB of keys + 256 B of scales) is read once for all its rows and heads. ``kv_ptr`` and
+    ``kv_scale_ptr`` are fp8 and fp32 views of the same cache bytes; a page is PAGE_WORDS fp32 words.
+    """
+    b = tl.program_id(0)
+    start = tl.program_id(1) * chunk
+    stop = tl.minimum(start + chunk, max_ctx)
+
+    cols = tl.arange(0, NN * H)  # MMA column c = (query n = c // H, head c % H)
+    col_n = cols // H
+    col_ok = col_n < NEXT_N
+    q_row = (b * NEXT_N + col_n).to(tl.int64) * H + cols % H
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + q_row[:, None] * D + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_t = tl.trans(q)  # [D, NN * H], K-major
+    w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0)
+
+    offs_n = tl.arange(0, NN)
+    n_ok = offs_n < NEXT_N
+    lens = tl.load(ctx_ptr + b * NEXT_N + offs_n, mask=n_ok, other=0)
+    ctx_max = tl.max(lens, axis=0)
+    out_rows = out_ptr + (b * NEXT_N + offs_n).to(tl.int64) * max_ctx  # [NN]
+    neg_inf = tl.full((TILE, NN), float("-inf"), tl.float32)
+    offs_t = tl.arange(0, TILE)
+    bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+
+    # Tiles holding positions < ctx_max are computed (start and chunk are multiples of TILE and of PAGE);
+    # the rest of the chunk is only filled with -inf.
+    valid_end = tl.minimum(stop, ctx_max)
+    c_stop = start + tl.maximum((valid_end - start + TILE - 1) // TILE, 0) * TILE
+
+    for t0 in range(start, c_stop, TILE):
+        pos = t0 + offs_t
+        in_ctx = pos < ctx_max  # never read a block-table entry or page the request does not use
+        page = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
+        slot = pos % PAGE
+        k_tile = tl.load(kv_ptr + page[:, None] * (PAGE_WORDS * 4) + slot[:, None] * D + offs_d[None, :],
+                         mask=in_ctx[:, None], other=0.0)
+        k_scale = tl.load(kv_scale_ptr + page * PAGE_WORDS + (PAGE * D) // 4 + slot, mask=in_ctx, other=0.0)
+        scores = tl.dot(k_tile, q_t)  # [TILE, NN * H] fp32
+        scores = tl.maximum(scores, 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(scores, (TILE, NN, H)), axis=2) * k_scale[:, None]
+        visible = pos[:, None] < lens[None, :]
+        tl.store(out_rows[None, :] + pos[:, None], tl.where(visible, logits, neg_inf),
+                 mask=n_ok[None, :] & (pos < stop)[:, None])
+
+    for t0 in range(c_stop, stop, TILE):
+        pos = t0 + offs_t
+        tl.store(out_rows[None, :] + pos[:, None], neg_inf, mask=n_ok[None, :] & (pos < stop)[:, None])
+
+
+def _paged_config(batch: int, max_context_len: int, device: torch.device) -> dict:
+    """Context chunk per program: large enough to amortize the q load, small enough that B=1 with a long
+    context still gives several programs per SM. A pure function of the shapes."""
+    if device.type != "cuda":
+        cfg = dict(chunk=128, tile=64, num_warps=4, num_stages=1)
+    else:
+        target = 4 * _sm_count(device)
+        chunk = 2048
+        while chunk > 256 and batch * triton.cdiv(max_context_len, chunk) < target:
+            chunk //= 2
+        cfg = dict(chunk=chunk, tile=64, num_warps=4, num_stages=4)
+    cfg.update(_OVERRIDE["paged"])
+    return cfg
+
+
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                     block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    """Decode logits [B * next_n, max_context_len] f32 over the paged cache; -inf past each row's length."""
+    batch, next_n, heads, dim = q.shape
+    out = torch.empty((batch * next_n, max_context_len), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    if dim != HEAD_DIM or heads & (heads - 1):
+        raise ValueError(f"the Triton paged logits kernel takes D=128 and a power-of-two head count, got {heads}x{dim}")
+    cfg = _paged_config(batch, max_context_len, q.device)
+    assert cfg["chunk"] % cfg["tile"] == 0 and cfg["tile"] % PAGE_SIZE == 0
+    pages = kv_cache.shape[0]
+    kv_fp8 = kv_cache.view(q.dtype)  # same bytes; element size 1
+    kv_f32 = kv_cache.view(pages, PAGE_BYTES).view(torch.float32)  # [pages, PAGE_BYTES // 4]
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    grid = (batch, triton.cdiv(max_context_len, cfg["chunk"]))
+    _paged_logits_kernel[grid](
+        q.contiguous(), kv_fp8, kv_f32, weights.contiguous().float(), context_lens.contiguous(), block_table, out,
+        max_context_len, cfg["chunk"], block_table.stride(0),
+        NEXT_N=next_n, NN=_next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_WORDS=PAGE_BYTES // 4,
+        TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+assert PAGE_BYTES == PAGE_SIZE * BYTES_PER_TOKEN and PAGE_BYTES % 4 == 0
