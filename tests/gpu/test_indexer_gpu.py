@@ -1,8 +1,10 @@
 """Indexer.forward on the GPU with the best implementations (Triton, DeepGEMM where built) against the reference.
 
 V3.2 shapes (hidden 7168, q_lora_rank 1536, 64 heads, top-2048), a decode batch and a prefill batch.
-Top-k sets must be equal, except for keys whose reference logit lies within 1% of the row's largest |logit| of the
-row's k-th logit, and at least 99.5% of all selected keys must agree. Why not exact: the wq_b GEMM writes q in
+Top-k sets must be equal, except for keys whose reference logit lies within 1% of its own magnitude scale of the
+row's k-th logit, and at least 99.5% of all selected keys must agree. A logit's magnitude scale is the same sum
+with |w| in place of w (sum_h |w_h| relu(q_h . k) * k_scale): the head weights have both signs, so a small logit
+can be the difference of large terms, and its rounding error scales with those terms, not with the result. Why not exact: the wq_b GEMM writes q in
 bf16 (one ulp = 2**-8 relative), and DeepGEMM / Triton sum K in another order than the reference, so about a
 third of q's elements differ by one bf16 ulp; after the fp8 prologue and the signed sum over 64 heads this moves a
 logit by up to ~0.5% of the row's scale. A swap between keys that close to the k-th place is a tie, not an error;
@@ -49,7 +51,7 @@ def _reference_logits_decode(indexer, cache, q_fp8_ref, weights_ref, batch):
                             batch.block_table, batch.max_context_len)
 
 
-def _assert_same_sets_up_to_ties(got, want, logits, starts=None, rel=1e-2):
+def _assert_same_sets_up_to_ties(got, want, logits, magnitude, starts=None, rel=1e-2):
     differ = total = 0
     for r in range(got.shape[0]):
         g = {i for i in got[r].tolist() if i >= 0}
@@ -61,9 +63,10 @@ def _assert_same_sets_up_to_ties(got, want, logits, starts=None, rel=1e-2):
             continue
         offset = 0 if starts is None else int(starts[r])
         row = logits[r]
-        kth = min(row[i + offset].item() for i in w)
-        scale = row[torch.isfinite(row)].abs().max().item()
+        kth_key = min(w, key=lambda i: (row[i + offset].item(), -i))
+        kth = row[kth_key + offset].item()
         for i in g ^ w:
+            scale = max(magnitude[r, i + offset].item(), magnitude[r, kth_key + offset].item())
             assert abs(row[i + offset].item() - kth) <= rel * scale, \
                 f"row {r}: key {i} differs from the reference and is not a tie at the k-th place"
     assert differ <= 0.005 * total, f"{differ} of {total} selected keys differ from the reference"
@@ -97,11 +100,13 @@ def test_decode_and_prefill_match_the_reference(setup):
         from dsa_indexer.pipeline import q_path
         q_ref, w_ref = q_path(indexer, x, q_lora, pb.positions, None)
         keys, scales = ref_cache.gather(pb.gather_slots)
-        logits = ref.ragged_mqa_logits(q_ref[long_rows], keys, scales, w_ref[long_rows], pb.ks[long_rows],
-                                       pb.ke[long_rows])
+        args = (q_ref[long_rows], keys, scales)
+        logits = ref.ragged_mqa_logits(*args, w_ref[long_rows], pb.ks[long_rows], pb.ke[long_rows])
+        magnitude = ref.ragged_mqa_logits(*args, w_ref[long_rows].abs(), pb.ks[long_rows], pb.ke[long_rows])
     finally:
         _force_reference(False)
-    _assert_same_sets_up_to_ties(prefill_fast[long_rows], prefill_ref[long_rows], logits, pb.ks[long_rows])
+    _assert_same_sets_up_to_ties(prefill_fast[long_rows], prefill_ref[long_rows], logits, magnitude,
+                                 pb.ks[long_rows])
 
     # One decode step on top of the same caches.
     db = DecodeBatch.build((lens + 1).tolist(), table, num_cache_pages=cache.num_pages, device="cuda")
@@ -113,8 +118,9 @@ def test_decode_and_prefill_match_the_reference(setup):
         decode_ref = indexer(xd, qd, db.positions, db, ref_cache)
         q_ref, w_ref = q_path(indexer, xd, qd, db.positions, None)
         logits = _reference_logits_decode(indexer, ref_cache, q_ref, w_ref, db)
+        magnitude = _reference_logits_decode(indexer, ref_cache, q_ref, w_ref.abs(), db)
     finally:
         _force_reference(False)
-    _assert_same_sets_up_to_ties(decode_fast, decode_ref, logits)
+    _assert_same_sets_up_to_ties(decode_fast, decode_ref, logits, magnitude)
     fast = {op: res.chosen.impl_id for (op, _, _), res in default_registry().used.items()}
     print("implementations:", fast)

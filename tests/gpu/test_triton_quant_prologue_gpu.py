@@ -11,7 +11,8 @@ Tolerances and why:
   a rounding error of a power-of-two boundary: the other summation order can put it on the other side, and the
   scales are then exactly a factor 2 apart (at most 1e-5 of the groups; their payloads are not compared).
 - gemm_fp8_blockscale: relative Frobenius error < 1e-2 vs the fp32 reference for bf16 output (one bf16
-  rounding: ~2e-3 expected), < 1e-5 for fp32 output (summation order only).
+  rounding: ~2e-3 expected), < 5e-4 for fp32 output (Hopper's fp8 MMA accumulates each 128-deep K block with
+  reduced precision, ~1.3e-4 measured on the H200).
 """
 
 import pytest
@@ -209,4 +210,6 @@ def test_gemm_fp8_blockscale_gpu(m, n, k):
     assert rel < 1e-2, rel
     out32 = tgemm.gemm_fp8_blockscale(a, a_scales, b, b_scales, torch.float32)
     rel32 = ((out32 - want).norm() / want.norm()).item()
-    assert rel32 < 1e-5, rel32
+    # Hopper's fp8 tensor-core MMA accumulates inside each 128-deep K block with a reduced-precision adder
+    # (about 2**-13 relative, the reason DeepGEMM promotes partial sums to fp32 registers per block): 5e-4.
+    assert rel32 < 5e-4, rel32

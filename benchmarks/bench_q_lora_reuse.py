@@ -1,0 +1,84 @@
+"""Per-layer time saved by q_lora fp8 reuse (DeepSeek-V4-Flash C4 indexer, decode) under CUDA-graph replay.
+
+    python benchmarks/bench_q_lora_reuse.py --out DIR
+
+For B in {1, 8, 32, 64} (context 32768 tokens = 8192 compressed keys), the decode step is captured twice, with
+and without `q_lora_quant`, and the two graphs are replayed alternately; medians of CUDA-event timings.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+
+def replay_us(graph, replays=20, repeats=15) -> float:
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e3 / replays)
+    return statistics.median(samples)
+
+
+def capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--context", type=int, default=32768)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    from dsa_indexer import IndexerConfig, Indexer
+    from dsa_indexer.dispatch.plugins import default_registry
+    from dsa_indexer.testing import decode_step
+
+    cfg = IndexerConfig.deepseek_v4_flash(max_position=args.context + 64)
+    indexer = Indexer(cfg, device="cuda").init_random(0)
+    rows = []
+    for batch in (1, 8, 32, 64):
+        x, q_lora, quant, db, cache = decode_step(cfg, indexer, batch, args.context, "cuda", seed=batch)
+        g_reuse, out_reuse = capture(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant))
+        g_plain, out_plain = capture(lambda: indexer(x, q_lora, db.positions, db, cache))
+        assert torch.equal(out_reuse, out_plain)
+        plain, reuse = [], []
+        for _ in range(3):  # alternate, so drift affects both
+            plain.append(replay_us(g_plain))
+            reuse.append(replay_us(g_reuse))
+        row = {"batch": batch, "context": args.context, "without_reuse_us": statistics.median(plain),
+               "with_reuse_us": statistics.median(reuse)}
+        row["saved_us"] = row["without_reuse_us"] - row["with_reuse_us"]
+        rows.append(row)
+        print(f"B={batch:3d}: without {row['without_reuse_us']:7.1f} us, with {row['with_reuse_us']:7.1f} us, "
+              f"saved {row['saved_us']:5.2f} us per layer")
+    used = {op: res.chosen.impl_id for (op, _, _), res in default_registry().used.items()}
+    result = {"command": " ".join(["python"] + sys.argv), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "model": cfg.name, "rows": rows, "implementations": used}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "q_lora_reuse.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
