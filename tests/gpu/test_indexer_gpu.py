@@ -51,24 +51,29 @@ def _reference_logits_decode(indexer, cache, q_fp8_ref, weights_ref, batch):
                             batch.block_table, batch.max_context_len)
 
 
-def _assert_same_sets_up_to_ties(got, want, logits, magnitude, starts=None, rel=1e-2):
+def _assert_same_sets_up_to_ties(got, want, logits, magnitude, starts=None, rel=1e-2, max_rows=1500):
+    """Checked on the host, on an evenly spaced sample of at most ``max_rows`` rows (keeps the test fast)."""
+    step = max(1, got.shape[0] // max_rows)
+    got, want = got[::step].cpu().tolist(), want[::step].cpu().tolist()
+    logits, magnitude = logits[::step].cpu(), magnitude[::step].cpu()
+    starts = None if starts is None else starts[::step].cpu().tolist()
     differ = total = 0
-    for r in range(got.shape[0]):
-        g = {i for i in got[r].tolist() if i >= 0}
-        w = {i for i in want[r].tolist() if i >= 0}
-        assert len(g) == len(w), f"row {r}: {len(g)} indices, reference {len(w)}"
+    for r, (got_row, want_row) in enumerate(zip(got, want)):
+        g = {i for i in got_row if i >= 0}
+        w = {i for i in want_row if i >= 0}
+        assert len(g) == len(w), f"row {r * step}: {len(g)} indices, reference {len(w)}"
         total += len(w)
         differ += len(w - g)
         if g == w:
             continue
-        offset = 0 if starts is None else int(starts[r])
-        row = logits[r]
-        kth_key = min(w, key=lambda i: (row[i + offset].item(), -i))
-        kth = row[kth_key + offset].item()
+        offset = 0 if starts is None else starts[r]
+        row, mag = logits[r].tolist(), magnitude[r].tolist()
+        kth_key = min(w, key=lambda i: (row[i + offset], -i))
+        kth = row[kth_key + offset]
         for i in g ^ w:
-            scale = max(magnitude[r, i + offset].item(), magnitude[r, kth_key + offset].item())
-            assert abs(row[i + offset].item() - kth) <= rel * scale, \
-                f"row {r}: key {i} differs from the reference and is not a tie at the k-th place"
+            scale = max(mag[i + offset], mag[kth_key + offset])
+            assert abs(row[i + offset] - kth) <= rel * scale, \
+                f"row {r * step}: key {i} differs from the reference and is not a tie at the k-th place"
     assert differ <= 0.005 * total, f"{differ} of {total} selected keys differ from the reference"
 
 

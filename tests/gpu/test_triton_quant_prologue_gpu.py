@@ -140,7 +140,9 @@ def test_q_prologue_gpu(tokens, rope, ue8m0):
     q = torch.randn(tokens, HEADS, DIM, device="cuda").to(torch.bfloat16)
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
     cos_sin = _cos_sin(8192, rope_dim)
-    head_weights = torch.randn(tokens, HEADS, device="cuda").to(torch.bfloat16)
+    # Nonzero head weights: the q scales are recovered below as w / head_weights.
+    sign = torch.randint(0, 2, (tokens, HEADS), device="cuda") * 2 - 1
+    head_weights = ((torch.rand(tokens, HEADS, device="cuda") + 0.1) * sign).to(torch.bfloat16)
     weight_scale = HEADS ** -0.5 * DIM ** -0.5
     _poison(((tokens, HEADS, DIM), fp8), ((tokens, HEADS), torch.float32))
     q_fp8, w = tprologue.q_prologue(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved,
