@@ -39,6 +39,11 @@ class Target:
     def __post_init__(self) -> None:
         if self.vendor not in VENDORS:
             raise ValueError(f"Target.vendor must be one of {VENDORS}, got {self.vendor!r}")
+        # Hashed on every op call (the registry's cache key): compute it once.
+        object.__setattr__(self, "_hash", hash((self.vendor, self.arch, self.soc)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     def __str__(self) -> str:
         return self.arch if self.soc is None else f"{self.arch}:{self.soc}"
