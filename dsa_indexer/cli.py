@@ -81,15 +81,32 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _environment(assume: Sequence[str]):
+    """None (the detected environment) or a simulated one from ``--assume gpu=yes triton=yes deep_gemm=no``."""
+    if not assume:
+        return None
+    from .dispatch.environment import Environment
+
+    facts = {}
+    for item in assume:
+        fact, sep, value = item.partition("=")
+        if not sep or value.lower() not in ("yes", "no", "1", "0", "true", "false"):
+            raise SystemExit(f"--assume entries must read fact=yes|no, got {item!r}")
+        facts[fact] = value.lower() in ("yes", "1", "true")
+    return Environment.simulated(**facts)
+
+
 def cmd_explain(args) -> int:
     registry = default_registry()
     target = detect_target(override=args.target)
+    env = _environment(args.assume)
     ops = registry.ops() if args.op == "all" else [args.op]
     for op in ops:
         if op not in registry.ops():
             print(f"unknown op {op!r}; known ops: {', '.join(registry.ops())}", file=sys.stderr)
             return 2
-        print(registry.resolve(op, target, _problem_for(op, target, _parse_facts(args.problem))).explain())
+        print(registry.resolve(op, target, _problem_for(op, target, _parse_facts(args.problem)),
+                               environment=env).explain())
         print()
     return 0
 
@@ -142,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--target", help="simulate a target (sm90, sm100, gfx942, gfx950, gfx1250, npu, cpu)")
     explain.add_argument("--problem", nargs="*", default=[], metavar="KEY=VALUE",
                          help="problem facts, e.g. heads=32 next_n=2 (defaults: the V3.2 decode shape)")
+    explain.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no",
+                         help="simulate the machine instead of probing it: gpu, triton, deep_gemm, aiter, torch_npu "
+                              "(facts not named are absent), e.g. --assume gpu=yes triton=yes")
     explain.set_defaults(func=cmd_explain)
 
     run = sub.add_parser("run", help="run the default indexer on synthetic decode and prefill batches, verify, time")

@@ -1,0 +1,43 @@
+"""The command line: info, explain for every target, and a small run of the main job."""
+
+import json
+
+import pytest
+
+from dsa_indexer.cli import main
+
+
+def test_info_lists_every_op(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "plugins loaded:" in out and "paged_mqa_logits" in out and "indexer_pipeline" in out
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100", "gfx942", "gfx950", "gfx1250", "npu", "cpu"])
+def test_explain_all_ops_on_every_target(target, capsys):
+    assert main(["explain", "all", "--target", target]) == 0
+    out = capsys.readouterr().out
+    assert out.count("=> ") == 10
+
+
+def test_explain_with_a_simulated_machine(capsys):
+    assert main(["explain", "paged_mqa_logits", "--target", "sm90", "--assume", "gpu=yes", "triton=yes",
+                 "--problem", "heads=64"]) == 0
+    out = capsys.readouterr().out
+    assert "=> paged_mqa_logits.triton.logits" in out and "deep_gemm" in out
+
+
+def test_explain_unknown_op_fails(capsys):
+    assert main(["explain", "nope"]) == 2
+    assert "unknown op" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3.2", "deepseek-v4-flash"])
+def test_run_small_main_job_verifies(model, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    code = main(["run", "--model", model, "--batch", "2", "--context", "2300", "--steps", "1", "--prefill-tokens",
+                 "32", "--json", str(report)])
+    assert code == 0
+    data = json.loads(report.read_text())
+    assert data["verified"] is True and data["q_lora_quant"]["reused"] == 2
+    assert "verification against the reference backend" in capsys.readouterr().out
