@@ -28,20 +28,6 @@ def replay_us(graph, replays=20, repeats=15) -> float:
     return statistics.median(samples)
 
 
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -50,6 +36,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 0
+    from bench_pipeline import capture  # the same warm-up-then-capture as the pipeline benchmark
     from dsa_indexer import IndexerConfig, Indexer
     from dsa_indexer.dispatch.plugins import default_registry
     from dsa_indexer.testing import decode_step
