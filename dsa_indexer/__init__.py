@@ -13,6 +13,7 @@ from .cache import IndexKCache
 from .config import IndexerConfig
 from .dispatch import (Environment, Implementation, NoImplementationError, Problem, Registry, Resolution, Target,
                        default_registry, detect_target, hookimpl, parse_target)
+from .graphs import DecodeGraph
 from .indexer import Indexer
 from .quant import Fp8GroupLayout, QuantizedActivation
 from .validate import IndexerInputError
@@ -26,6 +27,6 @@ def explain(op: str, target: str | Target | None = None, **problem) -> str:
     return default_registry().resolve(op, tgt, Problem(**problem)).explain()
 
 
-__all__ = ["DecodeBatch", "Environment", "Fp8GroupLayout", "Implementation", "IndexKCache", "Indexer", "IndexerConfig",
+__all__ = ["DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout", "Implementation", "IndexKCache", "Indexer", "IndexerConfig",
            "IndexerInputError", "NoImplementationError", "PrefillBatch", "Problem", "QuantizedActivation", "Registry",
            "Resolution", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops", "parse_target"]
