@@ -66,5 +66,4 @@ def torch_npu_probe() -> str | None:
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
-    if not registry.environment.name.startswith("simulated"):
-        registry.add_probe("torch_npu", torch_npu_probe)
+    registry.add_probe("torch_npu", torch_npu_probe)  # a simulated environment keeps its fixed facts

@@ -108,7 +108,7 @@ def _available(field: str, op: str):
     def check(target: Target, env: Environment) -> str | None:
         # A simulated environment detected nothing: assume the full API. After a real probe, the detected API
         # decides (function present, self-test passed, fp8 flavour of this aiter build = the target's).
-        if env.name.startswith("simulated"):
+        if env.simulated:
             return None
         from .aiter_api import detected_api
 
@@ -141,9 +141,7 @@ def _topk_factory():
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
-    # A simulated environment keeps its fixed facts; only an environment that probes the machine gets the probe.
-    if not registry.environment.name.startswith("simulated"):
-        registry.add_probe("aiter", _aiter_probe)
+    registry.add_probe("aiter", _aiter_probe)  # a simulated environment keeps its fixed facts
     registry.implementation(
         "ragged_mqa_logits", impl_id="ragged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("ragged_wrapper", "ragged_mqa_logits"),
