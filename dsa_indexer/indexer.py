@@ -34,6 +34,13 @@ CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."
 DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of fp32 prefill logits materialized at once
 
 
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter (weights are then written once)
+        return -1
+
+
 class BlockFp8Linear(nn.Module):
     """A linear layer stored as fp8 e4m3 with one fp32 scale per 128x128 block (``weight_scale_inv``)."""
 
@@ -114,6 +121,10 @@ class Indexer(nn.Module):
         # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel): one fp8 ulp may differ.
         self.allow_unrounded_q_lora_quant = False
         self.last_pipeline: Resolution | None = None
+        # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
+        # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
+        self.fuse_x_projections = True
+        self._x_projection: tuple[tuple, torch.Tensor] | None = None
 
     # --- weights ------------------------------------------------------------------------------------------
     @property
@@ -221,6 +232,17 @@ class Indexer(nn.Module):
         config = config or IndexerConfig.deepseek_v32()
         indexer = cls(config, wq_b_fp8="{}wq_b.weight_scale_inv".format(prefix) in state, **kwargs)
         return indexer.load_checkpoint(state, prefix)
+
+    def x_projection_weight(self) -> torch.Tensor:
+        """``[weights_proj; wk]`` ([H + D, hidden]) when the indexer has its own wk, else weights_proj's weight.
+        Rebuilt when either weight is replaced or written in place (keyed by storage and version counter)."""
+        if self.wk is None:
+            return self.weights_proj.weight
+        parts = (self.weights_proj.weight, self.wk.weight)
+        key = tuple((p.data_ptr(), _version_of(p), p.dtype, p.device) for p in parts)
+        if self._x_projection is None or self._x_projection[0] != key:
+            self._x_projection = (key, torch.cat(parts, dim=0).contiguous())
+        return self._x_projection[1]
 
     # --- resolution helpers -------------------------------------------------------------------------------
     def target_for(self, t: torch.Tensor) -> Target:

@@ -390,22 +390,28 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 # lightning_indexer (fused paged logits + top-k, for backends that have one)
 @torch.library.custom_op("dsa_indexer::lightning_indexer", mutates_args=())
 def _lightning_indexer_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                          block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
-    problem = _problem(("heads", "dim", "next_n", "k", "fp8"), q.shape[2], q.shape[3], q.shape[1], k,
-                       _fp8_name(q.dtype))
-    return _run("lightning_indexer", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len, k)
+                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool) -> torch.Tensor:
+    problem = _problem(("heads", "dim", "next_n", "k", "fp8", "slots"), q.shape[2], q.shape[3], q.shape[1], k,
+                       _fp8_name(q.dtype), return_slots)
+    return _run("lightning_indexer", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len, k,
+                return_slots)
 
 
 @_lightning_indexer_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k):
+def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots):
     return q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32)
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+                      block_table: torch.Tensor, max_context_len: int, k: int, *,
+                      return_slots: bool = False) -> torch.Tensor:
     """Paged logits + top-k in one op: int32 [B*N, k] request-local positions, -1 padded (same contract as
-    `paged_mqa_logits` followed by `topk_indices` with ends = context_lens)."""
+    `paged_mqa_logits` followed by `topk_indices` with ends = context_lens). ``return_slots=True`` returns
+    physical cache slots ``block_table[b, pos // 64] * 64 + pos % 64`` instead (-1 stays -1), what FlashMLA's
+    sparse decode and SGLang read."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     v.positive_int("k", k)
+    if not isinstance(return_slots, bool):
+        raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
     fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_op._init_fn
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k)
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots)

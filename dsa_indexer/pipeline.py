@@ -51,22 +51,39 @@ def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedA
     return ops.gemm_fp8_blockscale(quant[0], quant[1], wq_b.weight, wq_b.weight_scale_inv, q_lora.dtype)
 
 
+def project_x(indexer: "Indexer", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weights_proj(x) [T, H], wk(x) [T, D] or None)``: one GEMM over the concatenated weight
+    (`Indexer.x_projection_weight`) when the indexer has both, so a decode step launches one skinny GEMM (and
+    its split-K reduce) instead of two. Both results are column views of that GEMM's output."""
+    out = F.linear(x, indexer.x_projection_weight())
+    heads = indexer.config.n_heads
+    if out.shape[1] == heads:
+        return out, None
+    return out[:, :heads], out[:, heads:]
+
+
 def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-           q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, torch.Tensor]:
+           q_lora_quant: QuantizedActivation | None, head_weights: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """wq_b + RoPE + Hadamard + fp8 quant of q; ``head_weights`` is ``weights_proj(x)`` when the caller already
+    has it (`project_x`)."""
     cfg = indexer.config
-    head_weights = F.linear(x, indexer.weights_proj.weight)
+    if head_weights is None:
+        head_weights = F.linear(x, indexer.weights_proj.weight)
     q = project_q(indexer, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
     return ops.q_prologue(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, rope_offset=cfg.rope_offset,
                           interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype)
 
 
 def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | None,
-           kv_cache: torch.Tensor) -> None:
-    """Project, normalize, rotate, quantize and store this step's keys (V3.2). V4 keys come from the compressor."""
+           kv_cache: torch.Tensor, k: torch.Tensor | None = None) -> None:
+    """Project, normalize, rotate, quantize and store this step's keys (V3.2). V4 keys come from the compressor.
+    ``k`` is ``wk(x)`` when the caller already has it (`project_x`)."""
     if slot_mapping is None or indexer.wk is None:
         return
     cfg = indexer.config
-    k = F.linear(x, indexer.wk.weight)
+    if k is None:
+        k = F.linear(x, indexer.wk.weight)
     norm_w = indexer.k_norm.weight if indexer.k_norm is not None else None
     norm_b = indexer.k_norm.bias if indexer.k_norm is not None else None
     ops.k_prologue_store(k, norm_w, norm_b, cfg.norm_eps, positions, indexer.cos_sin, kv_cache, slot_mapping,
@@ -75,9 +92,14 @@ def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor, slot_ma
 
 
 def single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant):
-    """Everything in order on the current stream: k first (a decode token must see itself), then q."""
-    k_path(indexer, x, positions, slot_mapping, kv_cache)
-    return q_path(indexer, x, q_lora, positions, q_lora_quant)
+    """Everything in order on the current stream: the x projections, k (a decode token must see itself), q."""
+    if not indexer.fuse_x_projections:
+        k_path(indexer, x, positions, slot_mapping, kv_cache)
+        return q_path(indexer, x, q_lora, positions, q_lora_quant)
+    head_weights, k = project_x(indexer, x)
+    if k is not None:
+        k_path(indexer, x, positions, slot_mapping, kv_cache, k)
+    return q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
 
 
 def register_single_stream(registry) -> None:

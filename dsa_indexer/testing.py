@@ -35,3 +35,35 @@ def decode_step(cfg: IndexerConfig, indexer: Indexer, batch: int, context: int, 
     norm_w = (torch.rand(cfg.q_lora_rank, generator=gen) + 0.5).to(device, torch.bfloat16)
     q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(q_a, norm_w, 1e-6)
     return x, q_lora, q_lora_quant, db, cache
+
+
+def real_decode_logits(batch: int, context: int, device, seed: int = 0, indexer: Indexer | None = None,
+                       x_scale: float = 1.0):
+    """Indexer logits as a real V3.2 decode step makes them: keys of ``context`` random tokens stored by the
+    indexer's own k path, queries from its q path, paged logits through the registry (DeepGEMM or Triton on a
+    GPU). Random activations and seeded random weights, never zeros. Returns ``(logits [B, context] fp32,
+    context_lens [B, 1] int32, block_table, q_fp8, weights, cache)``."""
+    from .pipeline import k_path, q_path
+
+    cfg = IndexerConfig.deepseek_v32()
+    indexer = indexer or Indexer(cfg, device=device).init_random(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    pages = -(-context // PAGE_SIZE)
+    cache = IndexKCache.allocate(batch * pages, device, indexer.fp8_dtype)
+    table = torch.randperm(batch * pages, generator=gen).to(torch.int32).view(batch, pages).to(device)
+    step = 4096
+    for b in range(batch):
+        for start in range(0, context, step):
+            n = min(step, context - start)
+            x = (torch.randn(n, cfg.hidden_size, generator=gen) * x_scale).to(device, torch.bfloat16)
+            pos = torch.arange(start, start + n, device=device)
+            slots = table[b].long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+            k_path(indexer, x, pos, slots, cache.data)
+    x = (torch.randn(batch, cfg.hidden_size, generator=gen) * x_scale).to(device, torch.bfloat16)
+    q_lora = torch.randn(batch, cfg.q_lora_rank, generator=gen).to(device, torch.bfloat16)
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    q_fp8, weights = q_path(indexer, x, q_lora, positions, None)
+    lens = torch.full((batch, 1), context, dtype=torch.int32, device=device)
+    q = q_fp8.view(batch, 1, cfg.n_heads, cfg.head_dim)
+    logits = ops.paged_mqa_logits(q, cache.data, weights, lens, table, context)
+    return logits, lens, table, q, weights, cache

@@ -47,7 +47,7 @@ def _cases():
         "paged_mqa_logits": (q, kv, w, lens, table, width),
         "topk_indices": (logits, 7, torch.tensor([50, 4, 30], dtype=torch.int32),
                          torch.tensor([0, 0, 10], dtype=torch.int32), None, None),
-        "lightning_indexer": (q, kv, w, lens, table, width, 16),
+        "lightning_indexer": (q, kv, w, lens, table, width, 16, False),
     }
 
 

@@ -6,9 +6,15 @@ Registrations (all through the one plugin hook):
 - ``paged_mqa_logits.cuda.deepgemm``, ``ragged_mqa_logits.cuda.deepgemm``, ``gemm_fp8_blockscale.cuda.deepgemm``
   at priority 200 (above Triton's 100) for sm90 and sm100, each with a ``supports`` check that names the limit
   a problem hits (head counts, next_n, head dim, fp8 flavour, sm100's ue8m0 GEMM scales);
-- ``indexer_pipeline.cuda.dual_stream`` (`dual_stream.py`).
+- ``indexer_pipeline.cuda.dual_stream`` (`dual_stream.py`);
+- the probe of the fact ``cuda_jit``: this backend's own CUDA C++ kernels (``csrc/``) compile with nvcc (cached
+  on disk, `jit.py`) and pass a self-test against the reference (`topk.probe`);
+- ``topk_indices.cuda.radix`` (`topk.py`, priority 200): the exact cluster radix top-k;
+- ``lightning_indexer.cuda.deepgemm_radix`` (`lightning.py`, priority 200): DeepGEMM's paged logits consumed
+  unmasked by the CUDA top-k, schedule metadata once per step.
 
-``deep_gemm`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
+``deep_gemm`` is imported only by the probe and the factories, so importing dsa_indexer never needs it; nvcc is
+run only by the ``cuda_jit`` probe, at the first resolution that needs it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ GEMM_INPUT_LAYOUT = Fp8GroupLayout(group_size=128, ue8m0=False, scale_major="row
                                    fp8_dtype=torch.float8_e4m3fn)
 
 OPS = ("paged_mqa_logits", "ragged_mqa_logits", "gemm_fp8_blockscale")
+JIT_PRIORITY = 200
+JIT_TARGETS = ("sm90", "sm100")
 DESCRIPTIONS = {
     "paged_mqa_logits": "DeepGEMM paged MQA logits (schedule metadata + kernel, tail masked to -inf)",
     "ragged_mqa_logits": "DeepGEMM ragged MQA logits (clean_logits=True, contiguous copy)",
@@ -111,6 +119,36 @@ def _available(op: str):
     return check
 
 
+def _cuda_jit_probe() -> str | None:
+    from . import topk
+
+    return topk.probe()
+
+
+def _lightning_supports(problem: Problem, target: Target) -> str | None:
+    # The logits half is DeepGEMM's paged kernel: the same limits (heads, next_n, dim, fp8 flavour).
+    return _logits_supports("paged_mqa_logits")(problem, target)
+
+
+def _lightning_available(target: Target, env: Environment) -> str | None:
+    return _available("paged_mqa_logits")(target, env)
+
+
+def _topk_factory():
+    from .topk import topk_indices
+
+    return topk_indices
+
+
+def _lightning_factory():
+    import deep_gemm
+
+    from . import deepgemm
+    from .lightning import make_lightning_indexer
+
+    return make_lightning_indexer(deep_gemm, deepgemm.api_for(deep_gemm))
+
+
 def _factory(op: str):
     def factory():
         import deep_gemm
@@ -131,6 +169,16 @@ def dsa_indexer_register(registry: Registry) -> None:
         registry.implementation(op, impl_id=f"{op}.cuda.deepgemm", targets=DEEPGEMM_TARGETS,
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
                                 supports=supports, description=DESCRIPTIONS[op], info=info)(_factory(op))
+    registry.add_probe("cuda_jit", _cuda_jit_probe)
+    registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
+                            priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
+                            description="CUDA C++ cluster radix select, rows in shared memory (JIT-built)"
+                            )(_topk_factory)
+    registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.deepgemm_radix",
+                            targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
+                            available=_lightning_available, supports=_lightning_supports,
+                            description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k"
+                            )(_lightning_factory)
     from .dual_stream import register_dual_stream
 
     register_dual_stream(registry)

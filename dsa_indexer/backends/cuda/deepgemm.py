@@ -222,6 +222,31 @@ def causal_lens_hold(context_lens: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Per-step scratch
+def step_memo(owner: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per (``owner`` tensor, ``key``) while ``owner`` is not modified in place.
+
+    The decode batch's ``context_lens`` is built once per step and read by every layer, so values derived from it
+    alone (DeepGEMM's schedule metadata) are computed by the first layer and reused by the others. The memo lives
+    on the tensor itself: it dies with the step's batch, and an in-place write (which bumps ``_version``)
+    invalidates it. Under CUDA-graph capture the first layer's kernel is captured and the later layers read its
+    output, so a replay recomputes it once per step too. Tensors made under ``torch.inference_mode`` keep no
+    version counter, so in-place writes to them cannot be seen: for those the value is computed on every call."""
+    try:
+        version = owner._version
+    except RuntimeError:  # an inference tensor
+        return compute()
+    memo = owner.__dict__.get("_dsa_indexer_step_memo")
+    if memo is None or memo[0] != version:
+        memo = (version, {})
+        owner.__dict__["_dsa_indexer_step_memo"] = memo
+    cache = memo[1]
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Adapters
 def _num_sms(module: ModuleType, device: torch.device) -> int:
     get = getattr(module, "get_num_sms", None)
@@ -244,33 +269,53 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
     if "logits_dtype" in api.paged_params:
         extra["logits_dtype"] = torch.float32
 
-    def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+    def schedule(context_lens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the lengths DeepGEMM is given, its schedule metadata), computed once per decode step: cached on the
+        step's ``context_lens`` tensor, so every layer of a step (and every layer captured into one graph)
+        shares one metadata kernel."""
+        num_sms = _num_sms(module, device)
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            lens2d = context_lens.contiguous()
+            lens = lens2d if two_d else lens2d[:, -1].contiguous()
+            # Rows with no visible key (CUDA-graph padding, warm-up) would make DeepGEMM fault: give it one key
+            # to read (page block_table[b, 0]); consumers mask or skip the row from the true lengths.
+            lens = lens.clamp_min(1)
+            return lens, metadata(lens, PAGE_SIZE, num_sms)
+
+        return step_memo(context_lens, ("deepgemm_paged_schedule", num_sms, two_d), compute)
+
+    def check_lengths(context_lens: torch.Tensor) -> None:
+        if not ranges_checked(context_lens):
+            return  # values are only checked where that costs no host sync
         lens2d = context_lens.contiguous()
         if two_d:
             # DeepGEMM schedules each request by its LAST row's length: no row may see more keys than that.
-            # (Checked where it costs no host sync; DecodeBatch lengths always satisfy it.)
-            if ranges_checked(context_lens) and not bool((lens2d[:, -1:] >= lens2d).all()):
+            if not bool((lens2d[:, -1:] >= lens2d).all()):
                 raise IndexerInputError(f"{api.describe()} computes keys up to context_lens[b, -1] for every row of "
                                         "request b: context_lens[b, j] must be <= context_lens[b, -1]")
-            lens = lens2d
-        else:
-            # The 1-D API derives row j's length as ctx - next_n + j + 1: right for DecodeBatch's lengths. Values
-            # can only be checked without a host sync when they live on the host (or checks were asked for).
-            if ranges_checked(context_lens) and not causal_lens_hold(context_lens):
-                raise IndexerInputError(
-                    f"{api.describe()} takes 1-D context lengths with causal next_n semantics; context_lens must "
-                    "satisfy context_lens[b, j] == context_lens[b, -1] - (next_n - 1 - j) (what DecodeBatch builds)")
-            lens = lens2d[:, -1].contiguous()
-        # Rows with no visible key (CUDA-graph padding, warm-up) would make DeepGEMM fault: give it one key to
-        # read (page block_table[b, 0]) and mask the row back to all -inf below, from the true lengths.
-        lens = lens.clamp_min(1)
-        meta = metadata(lens, PAGE_SIZE, _num_sms(module, q.device))
+        elif not causal_lens_hold(context_lens):
+            # The 1-D API derives row j's length as ctx - next_n + j + 1: right for DecodeBatch's lengths.
+            raise IndexerInputError(
+                f"{api.describe()} takes 1-D context lengths with causal next_n semantics; context_lens must "
+                "satisfy context_lens[b, j] == context_lens[b, -1] - (next_n - 1 - j) (what DecodeBatch builds)")
+
+    def unmasked(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                 block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """DeepGEMM's logits as it returns them: a view with padded rows, garbage past each row's length
+        (for consumers that read only [0, context_lens[row]), such as the top-k)."""
+        check_lengths(context_lens)
+        lens, meta = schedule(context_lens, q.device)
         q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
-        logits = kernel(q_arg, kv_cache, weights.contiguous(), lens, block_table, meta, max_context_len, **extra)
-        mask_tail_(logits, lens2d.reshape(-1))
+        return kernel(q_arg, kv_cache, weights.contiguous(), lens, block_table, meta, max_context_len, **extra)
+
+    def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        mask_tail_(logits, context_lens.reshape(-1))
         return logits if logits.is_contiguous() else logits.contiguous()
 
+    paged_mqa_logits.unmasked = unmasked  # type: ignore[attr-defined]
     paged_mqa_logits.api = api  # type: ignore[attr-defined]
     return paged_mqa_logits
 

@@ -4,10 +4,13 @@ For small token counts (decode, speculative verify) the kernels of one step are 
 the q path (weights_proj, wq_b, q prologue) and the k path (wk, k prologue + cache store) do not depend on each
 other until the logits. Schedule (indexer spec, section 5), issued in this order:
 
-    alt.wait_stream(main)            # alt sees x, positions, slot_mapping and the cache as main left them
-    main: pipeline.q_path(...)       # weights_proj, wq_b GEMM, RoPE + Hadamard + fp8 quant of q
-    alt:  pipeline.k_path(...)       # wk, k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
+    main: pipeline.project_x(...)    # [weights_proj; wk] as one GEMM (Indexer.fuse_x_projections, the default)
+    alt.wait_stream(main)            # alt sees x, k, positions, slot_mapping and the cache as main left them
+    main: pipeline.q_path(...)       # wq_b GEMM, RoPE + Hadamard + fp8 quant of q
+    alt:  pipeline.k_path(...)       # k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
     main.wait_stream(alt)            # the logits that follow on main see this step's keys
+
+With ``fuse_x_projections=False`` the two projections run as separate GEMMs, weights_proj on main and wk on alt.
 
 The steps are `pipeline.q_path` and `pipeline.k_path` themselves, so every kernel gets the same inputs as under
 `single_stream` and the result is bit-identical. One alt stream per device, created on first use and reused, so a
@@ -40,7 +43,7 @@ import torch
 
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
-from ...pipeline import PIPELINE_OP, k_path, q_path, single_stream
+from ...pipeline import PIPELINE_OP, k_path, project_x, q_path, single_stream
 
 log = logging.getLogger("dsa_indexer")
 
@@ -137,11 +140,14 @@ def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager]
             return single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
         alt = alt_stream(x.device)
+        head_weights = k = None
+        if indexer.fuse_x_projections:
+            head_weights, k = project_x(indexer, x)  # one GEMM on main; the k path starts from its output
         alt.wait_stream(main)
         with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
-            q_fp8, weights = q_path(indexer, x, q_lora, positions, q_lora_quant)
+            q_fp8, weights = q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
         with torch.cuda.stream(alt):
-            k_path(indexer, x, positions, slot_mapping, kv_cache)
+            k_path(indexer, x, positions, slot_mapping, kv_cache, k)
         main.wait_stream(alt)
         return q_fp8, weights
 

@@ -216,19 +216,30 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     return out
 
 
+def _row_requests(batch: int, next_n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(batch, dtype=torch.int32, device=device).repeat_interleave(next_n)
+
+
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
+                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
+                      ) -> torch.Tensor:
     """Pure-torch paged logits, then pure-torch top-k (the oracle of fused implementations)."""
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    return topk_indices(logits, k, context_lens.reshape(-1))
+    if not return_slots:
+        return topk_indices(logits, k, context_lens.reshape(-1))
+    return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
+                        _row_requests(q.shape[0], q.shape[1], q.device))
 
 
 def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                                context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                               k: int) -> torch.Tensor:
+                               k: int, return_slots: bool = False) -> torch.Tensor:
     """Paged logits then top-k, each through the registry: the best logits kernel and the best top-k of the
     target combine (DeepGEMM logits + Triton top-k, say) wherever no backend has a fused kernel."""
     from ... import ops
 
     logits = ops._paged_mqa_logits_op._init_fn(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, None, None)
+    if not return_slots:
+        return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, None, None)
+    return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, block_table,
+                                         _row_requests(q.shape[0], q.shape[1], q.device))

@@ -273,7 +273,8 @@ def _store_quarters(row_ptr, mask, q0, q1, q2, q3, QW: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 # q_prologue
 @triton.jit
-def _q_prologue_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_rows, heads, cs_stride, weight_scale,
+def _q_prologue_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_rows, heads, cs_stride, hw_stride,
+                       weight_scale,
                        ROPE_MODE: tl.constexpr, ROPE_OFF: tl.constexpr, ROPE_DIM: tl.constexpr,
                        INTERLEAVED: tl.constexpr, UE8M0: tl.constexpr, FMAX: tl.constexpr, MIN_EXP: tl.constexpr,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
@@ -292,8 +293,9 @@ def _q_prologue_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_r
     y0, y1, y2, y3 = _hadamard_quarters(x0, x1, x2, x3, QW, INTERPRET)
     q0, q1, q2, q3, scale = _quant_quarters(y0, y1, y2, y3, FMAX, MIN_EXP, UE8M0, INTERPRET)
     _store_quarters(q_out_ptr + rows[:, None] * D, rmask, q0, q1, q2, q3, QW)
-    # Rows of the flattened [T*H, D] q and entries of the [T, H] weights share the same flat index.
-    hw = tl.load(hw_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    # Rows of the flattened [T*H, D] q and entries of the [T, H] weights share the same flat index; the head
+    # weights may be a column slice of a wider GEMM output (row stride hw_stride).
+    hw = tl.load(hw_ptr + (rows // heads) * hw_stride + rows % heads, mask=rmask, other=0.0).to(tl.float32)
     tl.store(w_out_ptr + rows, (hw * weight_scale) * scale, mask=rmask)
 
 
@@ -326,8 +328,10 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     cos_sin = cos_sin.contiguous()
     block_m, warps = _rows_config(n_rows)
     grid = (triton.cdiv(n_rows, block_m),)
-    _q_prologue_kernel[grid](q.contiguous(), positions.contiguous(), cos_sin, head_weights.contiguous(), q_fp8,
-                             weights, n_rows, h, cos_sin.stride(0), float(weight_scale),
+    if head_weights.stride(1) != 1:
+        head_weights = head_weights.contiguous()
+    _q_prologue_kernel[grid](q.contiguous(), positions.contiguous(), cos_sin, head_weights, q_fp8,
+                             weights, n_rows, h, cos_sin.stride(0), head_weights.stride(0), float(weight_scale),
                              ROPE_MODE=_rope_mode(rope_offset, rope_dim, interleaved), ROPE_OFF=int(rope_offset),
                              ROPE_DIM=rope_dim, INTERLEAVED=bool(interleaved), UE8M0=bool(ue8m0),
                              FMAX=fp8_max(fp8_dtype), MIN_EXP=fp8_min_exp(fp8_dtype), D=d, BLOCK_M=block_m,

@@ -554,7 +554,12 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int) -> torch.Tensor:
-    """Paged logits, then the top-k of each row over its context: int32 [B * next_n, k] request-local positions."""
+                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
+                      ) -> torch.Tensor:
+    """Paged logits, then the top-k of each row over its context: int32 [B * next_n, k] request-local positions
+    (or cache slots with ``return_slots``)."""
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    return topk_indices(logits, k, context_lens.reshape(-1))
+    if not return_slots:
+        return topk_indices(logits, k, context_lens.reshape(-1))
+    rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device).repeat_interleave(q.shape[1])
+    return topk_indices(logits, k, context_lens.reshape(-1), None, block_table, rows)

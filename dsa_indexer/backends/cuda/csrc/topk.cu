@@ -1,0 +1,437 @@
+// Exact top-k of fp32 rows for the DeepSeek lightning indexer (sm90 / sm100), compiled at first use.
+//
+// Contract (the reference's `topk_indices`): per row r, the k largest values among columns [starts[r], ends[r]),
+// ties to the lower column, int32 positions relative to starts[r] (or physical cache slots when a block table is
+// given), -1 padding when the window holds <= k columns. NaN counts as the largest value and -0.0 equals +0.0,
+// as torch.sort orders them.
+//
+// Design: a row is loaded ONCE from global memory into shared memory (as order-preserving uint32 keys), split
+// over a thread-block cluster of C CTAs when it is long (C <= 8, distributed shared memory joins the
+// histograms), and every later pass reads shared memory only:
+//   P0  load + the row's min and max key;
+//   P1+ radix select over u = key - min with 12-bit digits taken from the top set bit of (max - min) down, so
+//       the first histogram spreads the row's actual range over 4096 bins whatever its scale (real indexer
+//       logits sit in a narrow band, where fixed exponent bins would hold most of the row in a few bins and
+//       serialize the shared-memory atomics); a level stops early when the bin holding the k-th key is taken
+//       whole; at most 3 levels;
+//   P4  per-warp counts of keys above the threshold and equal to it; P5 the ordered write.
+// Each warp owns a contiguous run of columns and CTAs own contiguous chunks, so ranks in column order come
+// from warp scans plus one exclusive scan over warps and CTAs: the output holds the keys above the threshold
+// in column order, then the lowest-column keys equal to it. Deterministic: no atomics decide any position.
+// No host synchronization; launch shape depends on tensor shapes only, so the launch can be graph-captured.
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRadixBits = 12;
+constexpr int kBins = 1 << kRadixBits;
+constexpr int kBinsPerThread = kBins / kThreads;
+constexpr int kPage = 64;
+
+struct Params {
+  const float* x;
+  long long x_stride;
+  int rows;
+  int cols;
+  int k;
+  const int* starts;  // may be null: every window starts at 0
+  const int* ends;
+  const int* block_table;  // may be null: request-local positions
+  long long bt_stride;
+  const int* row_request;  // may be null: row r reads block_table row r
+  int* out;
+  int chunk_cols;  // shared-memory key capacity per CTA (a multiple of 32 * VEC)
+};
+
+// Shared memory beyond the key array; peers of the cluster read `hist`, `exports` through DSMEM.
+struct Smem {
+  int hist[2][kBins];  // local histograms, alternating per level so a peer can still read the previous one
+  int total[kBins];    // the cluster-wide histogram of the current level
+  int warp_a[kWarps];
+  int warp_b[kWarps];
+  unsigned exports[4];  // min key, max key, count above, count equal (this CTA's, read by peers)
+  int found[3];         // bin, k remaining within it, its count
+  unsigned bcast[2];
+};
+
+__device__ __forceinline__ unsigned order_key(float value) {
+  unsigned u = __float_as_uint(value);
+  if (u == 0x80000000u) u = 0u;                              // -0.0 == +0.0
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;   // every NaN is the largest key
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ int out_value(int local, int req, const Params& p) {
+  if (p.block_table == nullptr || local < 0) return local;
+  const int page = p.block_table[(long long)req * p.bt_stride + local / kPage];
+  return page * kPage + local % kPage;
+}
+
+// The bin of `h` holding the k_rem-th largest element (bins ordered by digit, larger = larger key), how many
+// elements of it are still needed, and its count; every thread gets them. Two block barriers.
+__device__ __forceinline__ void find_bin(const int* h, int k_rem, Smem& s, int& bin, int& need, int& count) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  int v[kBinsPerThread];
+  int mine = 0;
+#pragma unroll
+  for (int i = 0; i < kBinsPerThread; ++i) {
+    v[i] = h[t * kBinsPerThread + i];
+    mine += v[i];
+  }
+  int incl = mine;  // sum over lanes >= lane of this warp
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, incl, off);
+    if (lane + off < 32) incl += y;
+  }
+  if (lane == 0) s.warp_a[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = s.warp_a[lane];
+    int wi = w;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, wi, off);
+      if (lane + off < 32) wi += y;
+    }
+    s.warp_b[lane] = wi - w;  // sum over warps above this one
+  }
+  __syncthreads();
+  int above = s.warp_b[warp] + (incl - mine);
+#pragma unroll
+  for (int i = kBinsPerThread - 1; i >= 0; --i) {
+    if (above < k_rem && above + v[i] >= k_rem) {
+      s.found[0] = t * kBinsPerThread + i;
+      s.found[1] = k_rem - above;
+      s.found[2] = v[i];
+    }
+    above += v[i];
+  }
+  __syncthreads();
+  bin = s.found[0];
+  need = s.found[1];
+  count = s.found[2];
+}
+
+template <int VEC>
+struct Row {
+  int start, end;  // the window
+  int a0;          // first column of step 0 (start rounded down to VEC)
+  int first_step, num_steps;  // this CTA's steps
+  int warp_first, warp_steps; // this warp's steps within the CTA's (relative)
+};
+
+// The key array: index (step - first_step) * 32 * VEC + lane * VEC + i holds column a0 + step * 32 * VEC +
+// lane * VEC + i; columns outside the window are never read back as valid (checked against start/end).
+template <int VEC>
+__device__ __forceinline__ bool valid_col(int col, const Row<VEC>& r) {
+  return col >= r.start && col < r.end;
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned* keys = reinterpret_cast<unsigned*>(smem_raw);
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw + (size_t)p.chunk_cols * sizeof(unsigned));
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int csize = (int)cluster.num_blocks();
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  constexpr int kStepCols = 32 * VEC;
+
+  for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    Row<VEC> r;
+    r.end = p.ends[row];
+    r.start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = r.end - r.start;
+
+    if (width <= p.k) {  // every visible column, then -1: no selection (uniform over the cluster)
+      const int per = (p.k + csize - 1) / csize;
+      const int lo = rank * per, hi = min(p.k, lo + per);
+      for (int j = lo + t; j < hi; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;  // no cluster barrier taken on this branch by any CTA of the cluster
+    }
+
+    r.a0 = r.start & ~(VEC - 1);
+    const int total_steps = (r.end - r.a0 + kStepCols - 1) / kStepCols;
+    const int chunk_steps = (total_steps + csize - 1) / csize;
+    r.first_step = min(total_steps, rank * chunk_steps);
+    r.num_steps = min(total_steps, r.first_step + chunk_steps) - r.first_step;
+    r.warp_steps = (r.num_steps + kWarps - 1) / kWarps;
+    r.warp_first = min(r.num_steps, warp * r.warp_steps);
+    const int warp_last = min(r.num_steps, r.warp_first + r.warp_steps);
+    const float* x_row = p.x + (long long)row * p.x_stride;
+
+    // ---- P0: global -> shared keys, local min / max over the window
+    unsigned kmin = 0xffffffffu, kmax = 0u;
+    for (int s0 = r.warp_first; s0 < warp_last; s0 += 4) {
+      float vals[4][VEC];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col0 = r.a0 + (r.first_step + s0 + j) * kStepCols + lane * VEC;
+        if (s0 + j < warp_last) {
+          if (VEC == 4 && col0 + 4 <= r.end) {
+            const float4 f = __ldg(reinterpret_cast<const float4*>(x_row + col0));
+            vals[j][0] = f.x;
+            vals[j][VEC > 1 ? 1 : 0] = f.y;
+            vals[j][VEC > 2 ? 2 : 0] = f.z;
+            vals[j][VEC > 3 ? 3 : 0] = f.w;
+          } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) vals[j][i] = (col0 + i < r.end) ? __ldg(x_row + col0 + i) : 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (s0 + j < warp_last) {
+          const int col0 = r.a0 + (r.first_step + s0 + j) * kStepCols + lane * VEC;
+          unsigned kk[VEC];
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) {
+            kk[i] = order_key(vals[j][i]);
+            if (valid_col(col0 + i, r)) {
+              kmin = min(kmin, kk[i]);
+              kmax = max(kmax, kk[i]);
+            }
+          }
+          unsigned* dst = keys + (s0 + j) * kStepCols + lane * VEC;
+          if (VEC == 4) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(kk[0], kk[VEC > 1 ? 1 : 0], kk[VEC > 2 ? 2 : 0],
+                                                        kk[VEC > 3 ? 3 : 0]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) dst[i] = kk[i];
+          }
+        }
+      }
+    }
+    kmin = __reduce_min_sync(0xffffffffu, kmin);
+    kmax = __reduce_max_sync(0xffffffffu, kmax);
+    if (lane == 0) {
+      s.warp_a[warp] = (int)kmin;
+      s.warp_b[warp] = (int)kmax;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      unsigned a = (unsigned)s.warp_a[lane], b = (unsigned)s.warp_b[lane];
+      a = __reduce_min_sync(0xffffffffu, a);
+      b = __reduce_max_sync(0xffffffffu, b);
+      if (lane == 0) {
+        s.exports[0] = a;
+        s.exports[1] = b;
+      }
+    }
+    cluster.sync();  // exports visible cluster-wide; the key array complete within each CTA
+    if (t == 0) {
+      unsigned a = 0xffffffffu, b = 0u;
+      for (int q = 0; q < csize; ++q) {
+        const unsigned* e = cluster.map_shared_rank(s.exports, q);
+        a = min(a, e[0]);
+        b = max(b, e[1]);
+      }
+      s.bcast[0] = a;
+      s.bcast[1] = b;
+    }
+    __syncthreads();
+    const unsigned lo = s.bcast[0], hi = s.bcast[1];
+    const unsigned span = hi - lo;
+
+    // ---- P1..P3: radix select on u = key - lo, digits from the top set bit of span down
+    int shift = span == 0u ? 0 : 32 - __clz(span);
+    unsigned prefix = 0u;
+    int k_rem = p.k;
+    for (int level = 0; shift > 0; ++level) {
+      const int nshift = max(shift - kRadixBits, 0);
+      const int digit_bits = shift - nshift;
+      const unsigned digit_mask = (1u << digit_bits) - 1u;
+      int* h = s.hist[level & 1];
+      for (int b = t; b < kBins; b += kThreads) h[b] = 0;
+      __syncthreads();
+      for (int s0 = r.warp_first; s0 < warp_last; ++s0) {
+        const int col0 = r.a0 + (r.first_step + s0) * kStepCols + lane * VEC;
+        const unsigned* src = keys + s0 * kStepCols + lane * VEC;
+        unsigned kk[VEC];
+        if (VEC == 4) {
+          const uint4 q4 = *reinterpret_cast<const uint4*>(src);
+          kk[0] = q4.x;
+          kk[VEC > 1 ? 1 : 0] = q4.y;
+          kk[VEC > 2 ? 2 : 0] = q4.z;
+          kk[VEC > 3 ? 3 : 0] = q4.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) kk[i] = src[i];
+        }
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const unsigned u = kk[i] - lo;
+          const bool match = valid_col(col0 + i, r) && (shift >= 32 || (u >> shift) == prefix);
+          if (match) atomicAdd(&h[(u >> nshift) & digit_mask], 1);
+        }
+      }
+      const int* src_hist = h;
+      if (csize > 1) {
+        cluster.sync();  // every CTA's histogram of this level is complete
+        for (int b = t; b < kBins; b += kThreads) {
+          int sum = 0;
+          for (int q = 0; q < csize; ++q) sum += cluster.map_shared_rank(h, q)[b];
+          s.total[b] = sum;
+        }
+        src_hist = s.total;
+      }
+      __syncthreads();
+      int bin, need, count;
+      find_bin(src_hist, k_rem, s, bin, need, count);
+      prefix = (shift >= 32 ? 0u : (prefix << digit_bits)) | (unsigned)bin;
+      shift = nshift;
+      k_rem = need;
+      if (count == need) break;  // the whole bin is taken: no finer digit needed
+    }
+    // The threshold class: u >> shift == prefix. Keys above it are all taken; the first k_rem equal ones too.
+    const int need_eq = k_rem;
+    const int count_gt = p.k - need_eq;
+
+    // ---- P4: counts above / equal per warp, then offsets over warps and CTAs (column order)
+    int my_gt = 0, my_eq = 0;
+    for (int s0 = r.warp_first; s0 < warp_last; ++s0) {
+      const int col0 = r.a0 + (r.first_step + s0) * kStepCols + lane * VEC;
+      const unsigned* src = keys + s0 * kStepCols + lane * VEC;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if (valid_col(col0 + i, r)) {
+          const unsigned c = (src[i] - lo) >> shift;
+          my_gt += c > prefix;
+          my_eq += c == prefix;
+        }
+      }
+    }
+    my_gt = __reduce_add_sync(0xffffffffu, my_gt);
+    my_eq = __reduce_add_sync(0xffffffffu, my_eq);
+    if (lane == 0) {
+      s.warp_a[warp] = my_gt;
+      s.warp_b[warp] = my_eq;
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan over warps (in place), CTA totals exported
+      const int g = s.warp_a[lane], e = s.warp_b[lane];
+      int gi = g, ei = e;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int yg = __shfl_up_sync(0xffffffffu, gi, off);
+        const int ye = __shfl_up_sync(0xffffffffu, ei, off);
+        if (lane >= off) {
+          gi += yg;
+          ei += ye;
+        }
+      }
+      s.warp_a[lane] = gi - g;
+      s.warp_b[lane] = ei - e;
+      if (lane == 31) {
+        s.exports[2] = (unsigned)gi;
+        s.exports[3] = (unsigned)ei;
+      }
+    }
+    int cta_gt = 0, cta_eq = 0;
+    if (csize > 1) {
+      cluster.sync();
+      for (int q = 0; q < rank; ++q) {
+        const unsigned* e = cluster.map_shared_rank(s.exports, q);
+        cta_gt += (int)e[2];
+        cta_eq += (int)e[3];
+      }
+    } else {
+      __syncthreads();
+    }
+
+    // ---- P5: ordered write
+    int run_gt = cta_gt + s.warp_a[warp];
+    int run_eq = cta_eq + s.warp_b[warp];
+    for (int s0 = r.warp_first; s0 < warp_last; ++s0) {
+      const int col0 = r.a0 + (r.first_step + s0) * kStepCols + lane * VEC;
+      const unsigned* src = keys + s0 * kStepCols + lane * VEC;
+      int cls[VEC];  // 2 above, 1 equal, 0 neither
+      int packed = 0;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        cls[i] = 0;
+        if (valid_col(col0 + i, r)) {
+          const unsigned c = (src[i] - lo) >> shift;
+          cls[i] = c > prefix ? 2 : (c == prefix ? 1 : 0);
+        }
+        packed += cls[i] == 2 ? 1 : (cls[i] == 1 ? (1 << 16) : 0);
+      }
+      int incl = packed;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const int step_total = __shfl_sync(0xffffffffu, incl, 31);
+      int g = run_gt + ((incl - packed) & 0xffff);
+      int e = run_eq + ((incl - packed) >> 16);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        if (cls[i] == 2) {
+          out_row[g] = out_value(col0 + i - r.start, req, p);
+          ++g;
+        } else if (cls[i] == 1) {
+          if (e < need_eq) out_row[count_gt + e] = out_value(col0 + i - r.start, req, p);
+          ++e;
+        }
+      }
+      run_gt += step_total & 0xffff;
+      run_eq += step_total >> 16;
+    }
+    // No CTA may reuse its shared memory (next row) or exit while a peer still reads it.
+    if (csize > 1) cluster.sync(); else __syncthreads();
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory bytes a launch needs for `chunk_cols` keys per CTA.
+long long dsa_topk_smem_bytes(int chunk_cols) {
+  return (long long)chunk_cols * (long long)sizeof(unsigned) + (long long)sizeof(Smem);
+}
+
+const char* dsa_topk_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+// Launch on `stream`; returns a cudaError_t (0 = success). `vec` is 4 when the rows are 16-byte aligned
+// (row base and stride), else 1. `cluster` in 1..8 CTAs per row.
+int dsa_topk_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
+                    const int* ends, const int* block_table, long long bt_stride, const int* row_request, int* out,
+                    int cluster, int vec, int chunk_cols, int max_grid_rows, void* stream) {
+  Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, chunk_cols};
+  const size_t smem = (size_t)dsa_topk_smem_bytes(chunk_cols);
+  void (*kernel)(Params) = vec == 4 ? topk_rows_kernel<4> : topk_rows_kernel<1>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return (int)err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)cluster, (unsigned)min(rows, max_grid_rows), 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, kernel, p);
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"

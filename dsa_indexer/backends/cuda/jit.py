@@ -1,0 +1,115 @@
+"""Compile this backend's CUDA C++ kernels at first use and cache the shared libraries on disk.
+
+The kernels in ``csrc/`` are plain CUDA (no torch headers, no pybind): nvcc builds each into a small shared
+library in a few seconds, which is loaded with ctypes and called with raw device pointers and the current
+stream (`dsa_indexer.backends.cuda.topk`). So the build needs nvcc and a host compiler only, not torch's
+extension toolchain or ninja, and the library does not depend on torch's C++ ABI.
+
+Cache: ``$DSA_INDEXER_CACHE_DIR`` (default ``~/.cache/dsa_indexer``) ``/cuda/<name>-sm<arch>-<hash>.so``; the hash
+covers the source text, the flags and nvcc's version, so an edited kernel or another toolkit rebuilds. A build
+writes to a temporary file and renames it into place, so concurrent processes never load a half-written file.
+
+Knobs: ``CUDA_HOME`` / ``CUDA_PATH`` (where nvcc lives; else ``nvcc`` on PATH, else /usr/local/cuda),
+``DSA_INDEXER_CCBIN`` (nvcc's host compiler, ``-ccbin``), ``DSA_INDEXER_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+CACHE_ENV = "DSA_INDEXER_CACHE_DIR"
+CCBIN_ENV = "DSA_INDEXER_CCBIN"
+CSRC = Path(__file__).resolve().parent / "csrc"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared", "--expt-relaxed-constexpr")
+BUILD_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], ctypes.CDLL] = {}
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc is missing or failed; the message says which and holds the compiler's last lines."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "dsa_indexer")
+    return Path(root) / "cuda"
+
+
+def find_nvcc() -> str | None:
+    """The nvcc to build with: CUDA_HOME / CUDA_PATH first, then PATH, then /usr/local/cuda; None if none."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(env)
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None
+
+
+def nvcc_version(nvcc: str) -> str:
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CudaBuildError(f"{nvcc} --version failed: {exc}") from exc
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        raise CudaBuildError(f"{nvcc} --version printed nothing")
+    return lines[-1]
+
+
+def arch_flags(capability: tuple[int, int]) -> list[str]:
+    major, minor = capability
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+def build(source: str, capability: tuple[int, int]) -> Path:
+    """Compile ``csrc/<source>`` for ``capability`` unless the cache has it; returns the library's path."""
+    src = CSRC / source
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("no nvcc found (set CUDA_HOME or put the CUDA toolkit's nvcc on PATH)")
+    version = nvcc_version(nvcc)
+    flags = list(NVCC_FLAGS) + arch_flags(capability)
+    ccbin = os.environ.get(CCBIN_ENV)
+    if ccbin:
+        flags += ["-ccbin", ccbin]
+    digest = hashlib.sha256(src.read_bytes() + "\0".join(flags + [version]).encode()).hexdigest()[:16]
+    major, minor = capability
+    out = cache_dir() / f"{src.stem}-sm{major}{minor}-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
+    cmd = [nvcc, *flags, "-o", str(tmp), str(src)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CudaBuildError(f"running nvcc failed: {exc}") from exc
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
+        raise CudaBuildError(f"nvcc failed (exit {done.returncode}) building {source}:\n{tail}")
+    os.replace(tmp, out)
+    return out
+
+
+def load(source: str, capability: tuple[int, int]) -> ctypes.CDLL:
+    """The loaded library of ``csrc/<source>`` for ``capability`` (built on first use, once per process)."""
+    key = (source, f"{capability[0]}{capability[1]}")
+    lib = _loaded.get(key)
+    if lib is None:
+        with _lock:
+            lib = _loaded.get(key)
+            if lib is None:
+                lib = ctypes.CDLL(str(build(source, capability)))
+                _loaded[key] = lib
+    return lib

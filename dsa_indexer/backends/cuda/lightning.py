@@ -1,0 +1,46 @@
+"""``lightning_indexer`` on sm90 / sm100: DeepGEMM's paged logits feeding the CUDA top-k on one schedule.
+
+Against the generic composition (paged_mqa_logits op, then topk_indices op) this drops two launches per layer:
+- no -inf mask over the logits' tail: the top-k reads only columns [0, context_lens[row]) of each row, so the
+  garbage DeepGEMM leaves past a row's length (and in its padded row stride) is never looked at, and the padded
+  view is consumed as it is (no contiguous copy);
+- DeepGEMM's schedule metadata once per decode step, shared by every layer (`deepgemm.step_memo`).
+The slot transform (``return_slots``) runs inside the top-k's store.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from .deepgemm import DeepGemmApi, make_paged_mqa_logits, step_memo
+from .topk import topk_indices
+
+
+def _row_requests(context_lens: torch.Tensor) -> torch.Tensor:
+    """Row b * next_n + j -> request b, made once per step (memoized on the step's context_lens)."""
+    batch, next_n = context_lens.shape
+
+    def compute() -> torch.Tensor:
+        return torch.arange(batch, dtype=torch.int32, device=context_lens.device).repeat_interleave(next_n)
+
+    return step_memo(context_lens, ("row_requests",), compute)
+
+
+def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    paged = make_paged_mqa_logits(module, api)
+    unmasked = paged.unmasked  # type: ignore[attr-defined]
+
+    def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
+                          ) -> torch.Tensor:
+        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        ends = context_lens.reshape(-1)
+        if not return_slots:
+            return topk_indices(logits, k, ends)
+        return topk_indices(logits, k, ends, None, block_table, _row_requests(context_lens))
+
+    lightning_indexer.api = api  # type: ignore[attr-defined]
+    return lightning_indexer
