@@ -3,7 +3,7 @@
 Launch plan (a pure function of the shapes and the device, so a call can be captured in a CUDA graph):
 one cluster of ``C`` CTAs per row, 1024 threads each, the row's keys held in shared memory (at most
 `CHUNK_TARGET` columns per CTA, so rows up to 32K columns take one CTA). When rows are few and long, ``C`` grows
-(up to 8) while every CTA keeps >= 4K columns, so one 128K-column row still spreads over 8 SMs. Rows too wide
+(up to 8) while every CTA keeps >= 16K columns, so one 128K-column row still spreads over 8 SMs. Rows too wide
 for 8 CTAs (over about 360K columns) are handed to the Triton top-k, which takes any width.
 """
 
@@ -20,7 +20,7 @@ SOURCE = "topk.cu"
 THREADS = 1024
 MAX_CLUSTER = 8
 CHUNK_TARGET = 32768  # columns per CTA before the row is split over more CTAs
-MIN_CHUNK = 4096  # a CTA gets at least this many columns when C grows for parallelism
+MIN_CHUNK = 16384  # a CTA gets at least this many columns when C grows (cluster barriers cost more below)
 MAX_GRID_ROWS = 65535
 SMEM_OPTIN_FALLBACK = 227 * 1024  # sm90 / sm100 opt-in shared memory per block
 

@@ -17,8 +17,8 @@ Two execution paths, picked from the shapes only by a small cost model (no host 
 fixed by the shapes, so a call can be captured in a CUDA graph):
 
 * ``rows``: one program per row, one launch, no atomics, no memset. Pass 1 takes a 128-bin histogram in
-  1/8-octave bins below an anchor (the largest key of a few sampled tiles; keys above it and keys below the
-  window have a bin each, so any data is handled exactly) and finds the bin b* holding T. Pass 2 compacts the
+  bins below an anchor (the largest key of a few sampled tiles), as wide as the samples' k-th key suggests
+  (keys above the anchor and keys below the window have a bin each, so any data is handled exactly) and finds the bin b* holding T. Pass 2 compacts the
   columns of bins < b* ("sure": fewer than k) and of bin b* ("candidates", usually a small fraction of the
   row) into two lists; the radix select then runs over the candidates only. Output order: the sure columns,
   then the candidates > T, then the first candidates == T, each group in ascending column order.
@@ -261,8 +261,25 @@ def _emit_selected(x_row, list_base, length, thr, need_eq, gt_rank, gt_total, eq
 
 
 @triton.jit
-def _sample_anchor(x_row, start, end, SAMPLES: tl.constexpr, BLOCK: tl.constexpr):
-    """The largest key among SAMPLES tiles spread over [start, end): a value near the top of the row."""
+def _bit_length(gap):
+    """Bits of a uint32 (0 for 0), through the float exponent: portable (no clz intrinsic needed)."""
+    f = gap.to(tl.float32)
+    exp = ((f.to(tl.uint32, bitcast=True) >> 23) & 255).to(tl.int32)
+    # float rounding can carry 2**n - 1 up to 2**n: one bit too many, which only widens the bins
+    return tl.where(gap == 0, 0, exp - 126)
+
+
+@triton.jit
+def _sample_window(x_row, start, end, k, SAMPLES: tl.constexpr, BLOCK: tl.constexpr, LOG_BINS: tl.constexpr):
+    """(anchor, shift) of the window bins, from SAMPLES tiles spread over [start, end).
+
+    anchor: the largest sampled key. shift: bins of 2**shift keys such that the k-th largest key of the row,
+    estimated from the samples' own k-th gap below the anchor (k scaled by the sampled fraction of the window),
+    lands around bin 2**(LOG_BINS - 2). Fixed-width bins in octaves (the first version) fail on real indexer
+    logits: a row's logits share a common offset (the head weights times the mean ReLU score), so they sit
+    in a band narrow against their magnitude and most of the row fell into the k-th value's bin (3x slower).
+    The estimate only moves work between the two passes: keys above the anchor and below the last bin have
+    bins of their own, so the result is exact whatever the data."""
     step = (end - start) // SAMPLES
     best = tl.zeros((BLOCK,), tl.uint32)
     for i in tl.static_range(SAMPLES):
@@ -270,14 +287,30 @@ def _sample_anchor(x_row, start, end, SAMPLES: tl.constexpr, BLOCK: tl.constexpr
         inside = cols < end
         key = _order_key(tl.load(x_row + cols, mask=inside, other=0.0))
         best = tl.maximum(best, tl.where(inside, key, tl.zeros_like(key)))
-    return tl.max(best, axis=0)
+    anchor = tl.max(best, axis=0)
+    acc = tl.zeros((64,), tl.int32)
+    sampled = tl.zeros((BLOCK,), tl.int32)
+    for i in tl.static_range(SAMPLES):
+        cols = start + i * step + tl.arange(0, BLOCK)
+        inside = cols < end
+        key = _order_key(tl.load(x_row + cols, mask=inside, other=0.0))
+        bits = _bit_length(anchor - tl.where(inside, key, anchor))
+        acc += _binned(bits, inside, 64)
+        sampled += inside.to(tl.int32)
+    acc = _unbin(acc, SAMPLES - sampled, 64)
+    n_sampled = tl.sum(sampled, axis=0)
+    want = tl.maximum((k.to(tl.int64) * n_sampled // (end - start)).to(tl.int32), 1)
+    # smallest bit length whose gaps cover the sampled k-th: the k-th gap is below 2**bits
+    bits_kth = tl.sum((tl.cumsum(acc, axis=0) < want).to(tl.int32), axis=0)
+    shift = tl.maximum(bits_kth - (LOG_BINS - 2), 0)
+    return anchor, shift
 
 
 @triton.jit
-def _window_digit(key, anchor, SHIFT: tl.constexpr, BINS: tl.constexpr):
-    """Bins of descending key: 0 above the anchor, 1..BINS-2 of 2**SHIFT keys each below it (1/8 octave for
-    SHIFT 20), BINS-1 for everything further down."""
-    below = tl.minimum((anchor - key) >> SHIFT, BINS - 2) + 1
+def _window_digit(key, anchor, shift, BINS: tl.constexpr):
+    """Bins of descending key: 0 above the anchor, 1..BINS-2 of 2**shift keys each below it, BINS-1 for
+    everything further down."""
+    below = (tl.minimum((anchor - key) >> shift.to(tl.uint32), BINS - 2) + 1).to(tl.int32)
     return tl.where(key > anchor, 0, below).to(tl.int32)
 
 
@@ -286,11 +319,11 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
                       bt_ptr, bt_stride, req_ptr, n_cols, k,
                       HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, HAS_REQ: tl.constexpr,
                       BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, PAGE: tl.constexpr, SAMPLES: tl.constexpr,
-                      WINDOW_BINS: tl.constexpr, WINDOW_SHIFT: tl.constexpr):
+                      WINDOW_BINS: tl.constexpr, LOG_BINS: tl.constexpr):
     """One row, two passes over it:
 
-    1. a WINDOW_BINS-bin histogram of the keys in fine bins below an anchor (the largest key of a few sampled
-       tiles). Few bins keep ``tl.histogram`` cheap where it lowers to warp ballots (Triton <= 3.6, where it
+    1. a WINDOW_BINS-bin histogram of the keys in bins below an anchor (the largest key of a few sampled
+       tiles), their width set from the samples' estimate of the k-th key (`_sample_window`). Few bins keep ``tl.histogram`` cheap where it lowers to warp ballots (Triton <= 3.6, where it
        costs ~50 instructions per element at 128 bins, ~60-80 at 256); the bin b* holding the k-th largest
        key follows. The anchor need not be the maximum: keys above it have their own bin, and so do keys
        below the window, so the result is exact whatever the data; only the amount of work varies.
@@ -311,7 +344,7 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
         _emit_window(out_row, 0, k, end - start, bt_ptr, bt_stride, req, SLOTS, LIST_BLOCK, PAGE)
     else:
         x_row = x_ptr + row.to(tl.int64) * x_stride
-        anchor = _sample_anchor(x_row, start, end, SAMPLES, LIST_BLOCK)
+        anchor, shift = _sample_window(x_row, start, end, k, SAMPLES, LIST_BLOCK, LOG_BINS)
         first_tile = (start // BLOCK) * BLOCK  # aligned tiles, load mask on the row length: vector loads
 
         acc = tl.zeros((WINDOW_BINS,), tl.int32)
@@ -320,7 +353,7 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
             cols = c0 + tl.arange(0, BLOCK)
             key = _order_key(tl.load(x_row + cols, mask=cols < n_cols, other=0.0))
             inside = (cols >= start) & (cols < end)
-            acc += _binned(_window_digit(key, anchor, WINDOW_SHIFT, WINDOW_BINS), inside, WINDOW_BINS)
+            acc += _binned(_window_digit(key, anchor, shift, WINDOW_BINS), inside, WINDOW_BINS)
             unselected += (~inside).to(tl.int32)
         acc = _unbin(acc, unselected, WINDOW_BINS)
         b_star = tl.sum((tl.cumsum(acc, axis=0) < k).to(tl.int32), axis=0)
@@ -334,7 +367,7 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
             cols = _tile_cols(c0, BLOCK)
             key = _order_key(tl.load(x_row + cols, mask=cols < n_cols, other=0.0))
             inside = (cols >= start) & (cols < end)
-            digit = _window_digit(key, anchor, WINDOW_SHIFT, WINDOW_BINS)
+            digit = _window_digit(key, anchor, shift, WINDOW_BINS)
             stored_sure, n_cand = _append_two(sure_base, stored_sure, inside & (digit < b_star),
                                               cand_base, n_cand, inside & (digit == b_star), cols)
         tl.debug_barrier()  # the lists were stored by all threads; Triton orders global memory only per thread
@@ -532,7 +565,7 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
         sure = torch.empty((rows, k), dtype=torch.int32, device=device)
         _topk_rows_kernel[(rows,)](x, x.stride(0), starts_arg, ends, cand, cols, sure, out, bt, bt.stride(0), req,
                                    cols, k, LIST_BLOCK=cfg["list_block"], SAMPLES=8, WINDOW_BINS=128,
-                                   WINDOW_SHIFT=20, **flags, **out_flags)
+                                   LOG_BINS=7, **flags, **out_flags)
         return out
 
     split, chunk = cfg["split"], cfg["chunk"]

@@ -34,6 +34,9 @@ constexpr int kRadixBits = 12;
 constexpr int kBins = 1 << kRadixBits;
 constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kPage = 64;
+// A threshold bin holding at most this many keys is resolved by ranking its keys against each other (exact,
+// ties to the lower column) instead of by further histogram levels over the whole row.
+constexpr int kCandCap = 512;
 
 struct Params {
   const float* x;
@@ -59,6 +62,10 @@ struct Smem {
   unsigned exports[4];  // min key, max key, count above, count equal (this CTA's, read by peers)
   int found[3];         // bin, k remaining within it, its count
   unsigned bcast[2];
+  int cand_count;       // candidates gathered into rank 0's list (peers append through DSMEM)
+  unsigned cand_key[kCandCap];
+  int cand_col[kCandCap];
+  int cand_sel[kCandCap];
 };
 
 __device__ __forceinline__ unsigned order_key(float value) {
@@ -250,6 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
     int shift = span == 0u ? 0 : 32 - __clz(span);
     unsigned prefix = 0u;
     int k_rem = p.k;
+    bool rank_bin = false;
+    if (t == 0) s.cand_count = 0;  // ordered before any peer's append by the level's cluster barrier
     for (int level = 0; shift > 0; ++level) {
       const int nshift = max(shift - kRadixBits, 0);
       const int digit_bits = shift - nshift;
@@ -281,11 +290,17 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
       const int* src_hist = h;
       if (csize > 1) {
         cluster.sync();  // every CTA's histogram of this level is complete
-        for (int b = t; b < kBins; b += kThreads) {
-          int sum = 0;
-          for (int q = 0; q < csize; ++q) sum += cluster.map_shared_rank(h, q)[b];
-          s.total[b] = sum;
+        int sum[kBinsPerThread] = {};
+        for (int q = 0; q < csize; ++q) {  // all of a peer's loads issued before their adds
+          const int* peer = cluster.map_shared_rank(h, q);
+          int v[kBinsPerThread];
+#pragma unroll
+          for (int i = 0; i < kBinsPerThread; ++i) v[i] = peer[t + i * kThreads];
+#pragma unroll
+          for (int i = 0; i < kBinsPerThread; ++i) sum[i] += v[i];
         }
+#pragma unroll
+        for (int i = 0; i < kBinsPerThread; ++i) s.total[t + i * kThreads] = sum[i];
         src_hist = s.total;
       }
       __syncthreads();
@@ -295,8 +310,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
       shift = nshift;
       k_rem = need;
       if (count == need) break;  // the whole bin is taken: no finer digit needed
+      if (count <= kCandCap && shift > 0) {  // few keys left in the bin: rank them directly
+        rank_bin = true;
+        break;
+      }
     }
-    // The threshold class: u >> shift == prefix. Keys above it are all taken; the first k_rem equal ones too.
+    // The threshold class: u >> shift == prefix. Keys above it are all taken. Of the class, either the first
+    // k_rem in column order (exact key equality, or the whole class), or (rank_bin) the k_rem best by rank.
     const int need_eq = k_rem;
     const int count_gt = p.k - need_eq;
 
@@ -310,7 +330,18 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
         if (valid_col(col0 + i, r)) {
           const unsigned c = (src[i] - lo) >> shift;
           my_gt += c > prefix;
-          my_eq += c == prefix;
+          if (c == prefix) {
+            if (rank_bin) {  // append to rank 0's candidate list (its count is <= kCandCap by construction)
+              int* count_at = csize > 1 ? cluster.map_shared_rank(&s.cand_count, 0) : &s.cand_count;
+              const int slot = atomicAdd(count_at, 1);
+              unsigned* keys_at = csize > 1 ? cluster.map_shared_rank(s.cand_key, 0) : s.cand_key;
+              int* cols_at = csize > 1 ? cluster.map_shared_rank(s.cand_col, 0) : s.cand_col;
+              keys_at[slot] = src[i];
+              cols_at[slot] = col0 + i;
+            } else {
+              ++my_eq;
+            }
+          }
         }
       }
     }
@@ -365,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
         cls[i] = 0;
         if (valid_col(col0 + i, r)) {
           const unsigned c = (src[i] - lo) >> shift;
-          cls[i] = c > prefix ? 2 : (c == prefix ? 1 : 0);
+          cls[i] = c > prefix ? 2 : (c == prefix && !rank_bin ? 1 : 0);
         }
         packed += cls[i] == 2 ? 1 : (cls[i] == 1 ? (1 << 16) : 0);
       }
@@ -386,12 +417,36 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
         } else if (cls[i] == 1) {
           if (e < need_eq) out_row[count_gt + e] = out_value(col0 + i - r.start, req, p);
           ++e;
-        }
+        }  // (rank_bin: class keys were counted in neither total, so cls is never 1 here)
       }
       run_gt += step_total & 0xffff;
       run_eq += step_total >> 16;
     }
-    // No CTA may reuse its shared memory (next row) or exit while a peer still reads it.
+    if (rank_bin && rank == 0) {
+      // Every CTA appended its candidates before the counts barrier above. Exact order: a key beats another
+      // when larger, or equal at a lower column; the best need_eq are taken, written in column order.
+      const int n = s.cand_count;
+      for (int i = t; i < n; i += kThreads) {
+        const unsigned ki = s.cand_key[i];
+        const int ci = s.cand_col[i];
+        int better = 0;
+        for (int j = 0; j < n; ++j) {
+          const unsigned kj = s.cand_key[j];
+          better += kj > ki || (kj == ki && s.cand_col[j] < ci);
+        }
+        s.cand_sel[i] = better < need_eq;
+      }
+      __syncthreads();
+      for (int i = t; i < n; i += kThreads) {
+        if (s.cand_sel[i]) {
+          const int ci = s.cand_col[i];
+          int before = 0;
+          for (int j = 0; j < n; ++j) before += s.cand_sel[j] && s.cand_col[j] < ci;
+          out_row[count_gt + before] = out_value(ci - r.start, req, p);
+        }
+      }
+    }
+    // No CTA may reuse its shared memory (next row) or exit while a peer still reads or writes it.
     if (csize > 1) cluster.sync(); else __syncthreads();
   }
 }
