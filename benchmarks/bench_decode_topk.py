@@ -214,7 +214,9 @@ class Bench:
         mean, std = real.mean(dim=1, keepdim=True), real.std(dim=1, keepdim=True)
         variants = {"real": real, "real, columns shuffled": real[:, perm].contiguous(),
                     "randn": torch.randn_like(real), "randn at real mean/std": torch.randn_like(real) * std + mean}
-        entry = {"B": batch, "ctx": ctx}
+        entry = {"B": batch, "ctx": ctx,
+                 "real_rows_std_over_abs_mean": float((std / mean.abs().clamp_min(1e-30)).median()),
+                 "real_rows_mean": float(mean.median()), "real_rows_std": float(std.median())}
         for name, logits in variants.items():
             entry[name] = self.timer.graph(lambda: fn(logits, TOPK, ends))["median_us"]
         self.results["triton_diagnosis"].append(entry)
@@ -241,9 +243,12 @@ class Bench:
         q_lora = torch.randn(batch, cfg.q_lora_rank, device="cuda", generator=gen).to(torch.bfloat16)
         seq = torch.full((batch,), ctx, dtype=torch.int32)
         row = {"B": batch, "ctx": ctx}
-        for name, impl in (("single", "indexer_pipeline.generic.single_stream"),
-                           ("dual", "indexer_pipeline.cuda.dual_stream")):
+        variants = [("single", "indexer_pipeline.generic.single_stream", True),
+                    ("dual", "indexer_pipeline.cuda.dual_stream", True),
+                    ("dual_unfused_projections", "indexer_pipeline.cuda.dual_stream", False)]
+        for name, impl, fused in variants:
             self.registry.force("indexer_pipeline", impl)
+            indexer.fuse_x_projections = fused
             try:
                 self.registry.used.clear()
                 self.registry.clear_cache()
@@ -251,12 +256,15 @@ class Bench:
                 graph.replay(x, q_lora, seq, table)
                 row[name] = {**self.timer(graph.graph.replay),
                              "impls": {k[0]: r.chosen.impl_id for k, r in self.registry.used.items()}}
+                if name == "dual" and (batch, ctx) == (32, 8192):
+                    self.results["profile_dual_32x8K"] = profile(graph.graph.replay)
                 del graph
             except Exception as exc:  # noqa: BLE001
                 torch.cuda.synchronize()
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             finally:
                 self.registry.force("indexer_pipeline", None)
+                indexer.fuse_x_projections = True
         if (batch, ctx) in ((1, 8192), (32, 8192), (128, 8192), (32, 32768)):
             row["dual_4_layers_per_layer"] = self.multi_layer(cache, table, x, q_lora, seq, batch, ctx, layers=4)
         for name, dual in (("naive_single", False), ("naive_dual", True)):
@@ -380,6 +388,25 @@ class Bench:
             "GBps_kernel_alone": batch * ctx * 136 / kernel_alone["median_us"] / 1e3})
 
 
+def profile(fn, replays: int = 10) -> dict:
+    """Kernels of ``fn`` (a graph replay) by the torch profiler: name -> mean us per replay, and their sum."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us:
+            kernels[event.key[:90]] = us / replays
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+    return {"kernels_us_per_replay": top, "kernel_count": len(top), "sum_us": sum(top.values())}
+
+
 def print_table(report: dict) -> None:
     print(f"\n{report['gpu']}  copy {report['copy_GBps']:.0f} GB/s; medians us, L2 flushed; graph / eager")
     print(f"{'B':>4} {'ctx':>7} {'logits':>6} | {'torch.topk':>13} | {'cuda.radix':>13} {'x':>9} | "
@@ -409,9 +436,15 @@ def print_table(report: dict) -> None:
         ratio = f"{row['dual_vs_naive_dual']:.2f}" if "dual_vs_naive_dual" in row else "-"
         ds = f"{row['dual_vs_single']:.2f}" if "dual_vs_single" in row else "-"
         print(f"{row['B']:>4} {row['ctx']:>6} {f('single'):>8} {f('dual'):>8} {ds:>5} "
-              f"{f('dual_4_layers_per_layer'):>9} {f('naive_single'):>8} {f('naive_dual'):>8} {ratio:>8}")
+              f"{f('dual_4_layers_per_layer'):>9} {f('naive_single'):>8} {f('naive_dual'):>8} {ratio:>8} "
+              f"unfused-dual {f('dual_unfused_projections')}")
     for e in report["logits_in_step"]:
         print("logits", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in e.items()})
+    prof = report.get("profile_dual_32x8K")
+    if prof:
+        print(f"profile dual 32x8K: {prof['kernel_count']} kernels, sum {prof['sum_us']:.1f} us")
+        for name, us in list(prof["kernels_us_per_replay"].items())[:16]:
+            print(f"  {us:6.1f}  {name}")
     if report["skipped_for_time"]:
         print("skipped for time:", ", ".join(report["skipped_for_time"]))
 

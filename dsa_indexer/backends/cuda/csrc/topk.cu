@@ -36,7 +36,7 @@ constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kPage = 64;
 // A threshold bin holding at most this many keys is resolved by ranking its keys against each other (exact,
 // ties to the lower column) instead of by further histogram levels over the whole row.
-constexpr int kCandCap = 512;
+constexpr int kCandCap = 64;
 
 struct Params {
   const float* x;
@@ -59,9 +59,9 @@ struct Smem {
   int total[kBins];    // the cluster-wide histogram of the current level
   int warp_a[kWarps];
   int warp_b[kWarps];
-  unsigned exports[4];  // min key, max key, count above, count equal (this CTA's, read by peers)
+  unsigned exports[6];  // min key, max key, count above, count equal, min / max finite key (read by peers)
   int found[3];         // bin, k remaining within it, its count
-  unsigned bcast[2];
+  unsigned bcast[4];
   int cand_count;       // candidates gathered into rank 0's list (peers append through DSMEM)
   unsigned cand_key[kCandCap];
   int cand_col[kCandCap];
@@ -73,6 +73,24 @@ __device__ __forceinline__ unsigned order_key(float value) {
   if (u == 0x80000000u) u = 0u;                              // -0.0 == +0.0
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;   // every NaN is the largest key
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(unsigned key) {  // order_key's inverse (NaN and -0.0 folded)
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+__device__ __forceinline__ bool finite_key(unsigned key) {
+  return key != 0xffffffffu && key != 0xff800000u && key != 0x007fffffu;  // not NaN, +inf, -inf
+}
+
+// Level 0 in value space: 4096 equal-width bins over the row's finite [lo, hi], NaN and +inf in the top bin,
+// -inf in the bottom one. Non-decreasing in the value (float rounding is monotone), so it selects exactly.
+// Equal value-width bins put few keys in the k-th value's bin whatever the row's scale and sign; bins on
+// the order key's bits are 1/8 octave wide across zero and hold a few percent of a normal-looking row.
+__device__ __forceinline__ unsigned value_digit(unsigned key, float lo, float inv_width) {
+  if (key == 0xffffffffu || key >= 0xff800000u) return kBins - 1;
+  const float q = (key_value(key) - lo) * inv_width;
+  return q <= 0.f ? 0u : (q >= (float)(kBins - 1) ? (unsigned)(kBins - 1) : (unsigned)q);
 }
 
 __device__ __forceinline__ int out_value(int local, int req, const Params& p) {
@@ -127,6 +145,29 @@ __device__ __forceinline__ void find_bin(const int* h, int k_rem, Smem& s, int& 
   count = s.found[2];
 }
 
+// The cluster-wide histogram of this level (this CTA's own when alone); every thread returns after a barrier.
+__device__ __forceinline__ const int* merged_hist(int* h, Smem& s, cg::cluster_group& cluster, int csize) {
+  const int t = threadIdx.x;
+  const int* src_hist = h;
+  if (csize > 1) {
+    cluster.sync();  // every CTA's histogram of this level is complete
+    int sum[kBinsPerThread] = {};
+    for (int q = 0; q < csize; ++q) {  // all of a peer's loads issued before their adds
+      const int* peer = cluster.map_shared_rank(h, q);
+      int v[kBinsPerThread];
+#pragma unroll
+      for (int i = 0; i < kBinsPerThread; ++i) v[i] = peer[t + i * kThreads];
+#pragma unroll
+      for (int i = 0; i < kBinsPerThread; ++i) sum[i] += v[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kBinsPerThread; ++i) s.total[t + i * kThreads] = sum[i];
+    src_hist = s.total;
+  }
+  __syncthreads();
+  return src_hist;
+}
+
 template <int VEC>
 struct Row {
   int start, end;  // the window
@@ -179,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
     const float* x_row = p.x + (long long)row * p.x_stride;
 
     // ---- P0: global -> shared keys, local min / max over the window
-    unsigned kmin = 0xffffffffu, kmax = 0u;
+    unsigned kmin = 0xffffffffu, kmax = 0u, fmin = 0xffffffffu, fmax = 0u;
     for (int s0 = r.warp_first; s0 < warp_last; s0 += 4) {
       float vals[4][VEC];
 #pragma unroll
@@ -209,6 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
             if (valid_col(col0 + i, r)) {
               kmin = min(kmin, kk[i]);
               kmax = max(kmax, kk[i]);
+              if (finite_key(kk[i])) {
+                fmin = min(fmin, kk[i]);
+                fmax = max(fmax, kk[i]);
+              }
             }
           }
           unsigned* dst = keys + (s0 + j) * kStepCols + lane * VEC;
@@ -224,42 +269,85 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
     }
     kmin = __reduce_min_sync(0xffffffffu, kmin);
     kmax = __reduce_max_sync(0xffffffffu, kmax);
+    fmin = __reduce_min_sync(0xffffffffu, fmin);
+    fmax = __reduce_max_sync(0xffffffffu, fmax);
     if (lane == 0) {
       s.warp_a[warp] = (int)kmin;
       s.warp_b[warp] = (int)kmax;
+      s.cand_key[warp] = fmin;  // the candidate list is free until the levels: borrowed as scratch
+      s.cand_key[kWarps + warp] = fmax;
     }
     __syncthreads();
     if (warp == 0) {
       unsigned a = (unsigned)s.warp_a[lane], b = (unsigned)s.warp_b[lane];
+      unsigned fa = s.cand_key[lane], fb = s.cand_key[kWarps + lane];
       a = __reduce_min_sync(0xffffffffu, a);
       b = __reduce_max_sync(0xffffffffu, b);
+      fa = __reduce_min_sync(0xffffffffu, fa);
+      fb = __reduce_max_sync(0xffffffffu, fb);
       if (lane == 0) {
         s.exports[0] = a;
         s.exports[1] = b;
+        s.exports[4] = fa;
+        s.exports[5] = fb;
       }
     }
     cluster.sync();  // exports visible cluster-wide; the key array complete within each CTA
     if (t == 0) {
-      unsigned a = 0xffffffffu, b = 0u;
+      unsigned a = 0xffffffffu, b = 0u, fa = 0xffffffffu, fb = 0u;
       for (int q = 0; q < csize; ++q) {
         const unsigned* e = cluster.map_shared_rank(s.exports, q);
         a = min(a, e[0]);
         b = max(b, e[1]);
+        fa = min(fa, e[4]);
+        fb = max(fb, e[5]);
       }
       s.bcast[0] = a;
       s.bcast[1] = b;
+      s.bcast[2] = fa;
+      s.bcast[3] = fb;
+      s.cand_count = 0;  // ordered before any peer's append by the level barriers below
     }
     __syncthreads();
     const unsigned lo = s.bcast[0], hi = s.bcast[1];
     const unsigned span = hi - lo;
+    // Value-space level 0 when the finite values span a positive, representable range.
+    const float vlo = key_value(s.bcast[2]), vhi = key_value(s.bcast[3]);
+    const float vrange = vhi - vlo;
+    const bool value_level = s.bcast[2] <= s.bcast[3] && vrange > 0.f && vrange < 3.0e38f;
+    const float inv_width = value_level ? (float)kBins / vrange : 0.f;
 
     // ---- P1..P3: radix select on u = key - lo, digits from the top set bit of span down
     int shift = span == 0u ? 0 : 32 - __clz(span);
     unsigned prefix = 0u;
     int k_rem = p.k;
     bool rank_bin = false;
-    if (t == 0) s.cand_count = 0;  // ordered before any peer's append by the level's cluster barrier
-    for (int level = 0; shift > 0; ++level) {
+    bool by_value = false;  // the threshold class is a value bin (value_digit == prefix), not a key prefix
+    int level = 0;
+    if (value_level && shift > 0) {
+      int* h = s.hist[0];
+      for (int b = t; b < kBins; b += kThreads) h[b] = 0;
+      __syncthreads();
+      for (int s0 = r.warp_first; s0 < warp_last; ++s0) {
+        const int col0 = r.a0 + (r.first_step + s0) * kStepCols + lane * VEC;
+        const unsigned* src = keys + s0 * kStepCols + lane * VEC;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i)
+          if (valid_col(col0 + i, r)) atomicAdd(&h[value_digit(src[i], vlo, inv_width)], 1);
+      }
+      const int* src_hist = merged_hist(h, s, cluster, csize);
+      int bin, need, count;
+      find_bin(src_hist, k_rem, s, bin, need, count);
+      level = 1;
+      if (count == need || count <= kCandCap) {  // resolved in value space; else key levels from scratch
+        by_value = true;
+        prefix = (unsigned)bin;
+        k_rem = need;
+        rank_bin = count != need;
+        shift = 0;
+      }
+    }
+    for (; shift > 0; ++level) {
       const int nshift = max(shift - kRadixBits, 0);
       const int digit_bits = shift - nshift;
       const unsigned digit_mask = (1u << digit_bits) - 1u;
@@ -269,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
       for (int s0 = r.warp_first; s0 < warp_last; ++s0) {
         const int col0 = r.a0 + (r.first_step + s0) * kStepCols + lane * VEC;
         const unsigned* src = keys + s0 * kStepCols + lane * VEC;
-        unsigned kk[VEC];
+        unsigned kk[VEC];  // (the key levels)
         if (VEC == 4) {
           const uint4 q4 = *reinterpret_cast<const uint4*>(src);
           kk[0] = q4.x;
@@ -287,23 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
           if (match) atomicAdd(&h[(u >> nshift) & digit_mask], 1);
         }
       }
-      const int* src_hist = h;
-      if (csize > 1) {
-        cluster.sync();  // every CTA's histogram of this level is complete
-        int sum[kBinsPerThread] = {};
-        for (int q = 0; q < csize; ++q) {  // all of a peer's loads issued before their adds
-          const int* peer = cluster.map_shared_rank(h, q);
-          int v[kBinsPerThread];
-#pragma unroll
-          for (int i = 0; i < kBinsPerThread; ++i) v[i] = peer[t + i * kThreads];
-#pragma unroll
-          for (int i = 0; i < kBinsPerThread; ++i) sum[i] += v[i];
-        }
-#pragma unroll
-        for (int i = 0; i < kBinsPerThread; ++i) s.total[t + i * kThreads] = sum[i];
-        src_hist = s.total;
-      }
-      __syncthreads();
+      const int* src_hist = merged_hist(h, s, cluster, csize);
       int bin, need, count;
       find_bin(src_hist, k_rem, s, bin, need, count);
       prefix = (shift >= 32 ? 0u : (prefix << digit_bits)) | (unsigned)bin;
@@ -328,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
         if (valid_col(col0 + i, r)) {
-          const unsigned c = (src[i] - lo) >> shift;
+          const unsigned c = by_value ? value_digit(src[i], vlo, inv_width) : (src[i] - lo) >> shift;
           my_gt += c > prefix;
           if (c == prefix) {
             if (rank_bin) {  // append to rank 0's candidate list (its count is <= kCandCap by construction)
@@ -395,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
       for (int i = 0; i < VEC; ++i) {
         cls[i] = 0;
         if (valid_col(col0 + i, r)) {
-          const unsigned c = (src[i] - lo) >> shift;
+          const unsigned c = by_value ? value_digit(src[i], vlo, inv_width) : (src[i] - lo) >> shift;
           cls[i] = c > prefix ? 2 : (c == prefix && !rank_bin ? 1 : 0);
         }
         packed += cls[i] == 2 ? 1 : (cls[i] == 1 ? (1 << 16) : 0);
