@@ -10,6 +10,7 @@ Registrations (all through the one plugin hook):
 - the probe of the fact ``cuda_jit``: this backend's own CUDA C++ kernels (``csrc/``) compile with nvcc (cached
   on disk, `jit.py`) and pass a self-test against the reference (`topk.probe`);
 - ``topk_indices.cuda.radix`` (`topk.py`, priority 200): the exact cluster radix top-k;
+- ``topk_indices.cuda.flashinfer`` (`flashinfer_topk.py`, priority 60, fact ``flashinfer``): FlashInfer's top-k;
 - ``lightning_indexer.cuda.deepgemm_radix`` (`lightning.py`, priority 200): DeepGEMM's paged logits consumed
   unmasked by the CUDA top-k, schedule metadata once per step.
 
@@ -134,6 +135,26 @@ def _lightning_available(target: Target, env: Environment) -> str | None:
     return _available("paged_mqa_logits")(target, env)
 
 
+def _flashinfer_probe() -> str | None:
+    from . import flashinfer_topk
+
+    return flashinfer_topk.probe()
+
+
+def _flashinfer_supports(problem: Problem, target: Target) -> str | None:
+    from . import flashinfer_topk
+
+    return flashinfer_topk.supports(problem, target)
+
+
+def _flashinfer_factory():
+    import flashinfer
+
+    from .flashinfer_topk import make_topk_indices
+
+    return make_topk_indices(flashinfer)
+
+
 def _topk_factory():
     from .topk import topk_indices
 
@@ -174,6 +195,11 @@ def dsa_indexer_register(registry: Registry) -> None:
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
                             description="CUDA C++ cluster radix select, rows in shared memory (JIT-built)"
                             )(_topk_factory)
+    registry.add_probe("flashinfer", _flashinfer_probe)
+    registry.implementation("topk_indices", impl_id="topk_indices.cuda.flashinfer", targets=JIT_TARGETS,
+                            priority=60, requires=("gpu", "flashinfer"), supports=_flashinfer_supports,
+                            description="FlashInfer top_k_ragged_transform, deterministic lower-index ties"
+                            )(_flashinfer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_lightning_available, supports=_lightning_supports,

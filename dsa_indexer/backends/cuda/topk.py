@@ -20,6 +20,7 @@ SOURCE = "topk.cu"
 THREADS = 1024
 MAX_CLUSTER = 8
 CHUNK_TARGET = 32768  # columns per CTA before the row is split over more CTAs
+MAX_CHUNK = 44 * 1024  # columns per CTA that fit the 227 KB opt-in shared memory beside the histograms
 MIN_CHUNK = 16384  # a CTA gets at least this many columns when C grows (cluster barriers cost more below)
 MAX_GRID_ROWS = 65535
 SMEM_OPTIN_FALLBACK = 227 * 1024  # sm90 / sm100 opt-in shared memory per block
@@ -51,12 +52,14 @@ def plan(rows: int, cols: int, sms: int, vec: int) -> tuple[int, int] | None:
     """(CTAs per row, key capacity per CTA) for rows of ``cols`` columns; None when 8 CTAs cannot hold a row."""
     step = 32 * vec
     steps = -(-(cols + vec - 1) // step)  # the window may start mid-vector: up to vec - 1 extra columns
-    cluster = max(1, -(-steps * step // CHUNK_TARGET))
-    while cluster * 2 <= MAX_CLUSTER and rows * cluster * 2 <= sms and steps * step // (cluster * 2) >= MIN_CHUNK:
+    # Sized from the columns, not the rounded steps: a CTA may hold one step more than CHUNK_TARGET (its
+    # shared memory still fits), which keeps 32K-column rows on one CTA and 128K on four.
+    cluster = max(1, -(-cols // CHUNK_TARGET))
+    while cluster * 2 <= MAX_CLUSTER and rows * cluster * 2 <= sms and cols // (cluster * 2) >= MIN_CHUNK:
         cluster *= 2
-    if cluster > MAX_CLUSTER:
-        return None
-    return cluster, -(-steps // cluster) * step
+    cluster = min(cluster, MAX_CLUSTER)  # past 8 x 32K columns, CTAs hold more (up to MAX_CHUNK each)
+    chunk = -(-steps // cluster) * step
+    return None if chunk > MAX_CHUNK else (cluster, chunk)
 
 
 def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:

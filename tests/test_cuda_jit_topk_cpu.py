@@ -1,0 +1,165 @@
+"""CPU checks of the CUDA top-k's plumbing (the kernel itself runs in tests/gpu/test_cuda_topk_gpu.py): resolution
+with the compiler present / absent, the build's error reasons, the launch plan, and the FlashInfer adapter's
+argument handling against a test double of flashinfer's documented API (the double proves marshalling only,
+not FlashInfer's numerics)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from dsa_indexer import Environment, Problem, default_registry
+from dsa_indexer.backends.cuda import flashinfer_topk, jit
+from dsa_indexer.backends.cuda import topk as cuda_topk
+from dsa_indexer.backends.reference import kernels as ref
+from dsa_indexer.dispatch import parse_target
+
+TOPK = Problem(k=2048, slots=False, starts=False)
+
+
+def _resolve(target: str, **facts):
+    return default_registry().resolve("topk_indices", parse_target(target), TOPK,
+                                      environment=Environment.simulated(**facts))
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm100"])
+def test_cuda_topk_chosen_when_the_kernel_builds(target):
+    assert _resolve(target, gpu=True, triton=True, cuda_jit=True).chosen.impl_id == "topk_indices.cuda.radix"
+
+
+def test_no_compiler_says_so_and_triton_serves():
+    res = _resolve("sm90", gpu=True, triton=True, cuda_jit="CUDA top-k kernel not built: no nvcc found (set CUDA_HOME)")
+    assert res.chosen.impl_id == "topk_indices.triton.topk"
+    verdict = next(c for c in res.candidates if c.impl.impl_id == "topk_indices.cuda.radix")
+    assert not verdict.accepted and "no nvcc found" in verdict.reason
+
+
+@pytest.mark.parametrize("target", ["sm120", "gfx950", "npu", "cpu"])
+def test_cuda_topk_serves_only_sm90_and_sm100(target):
+    res = _resolve(target, gpu=True, triton=True, cuda_jit=True)
+    assert res.chosen.impl_id != "topk_indices.cuda.radix"
+
+
+def test_lightning_indexer_needs_deepgemm_and_the_kernel():
+    problem = Problem(heads=64, dim=128, next_n=1, k=2048, fp8="fn", slots=False)
+    registry = default_registry()
+
+    def chosen(**facts):
+        return registry.resolve("lightning_indexer", parse_target("sm90"), problem,
+                                environment=Environment.simulated(**facts)).chosen.impl_id
+
+    assert chosen(gpu=True, triton=True, deep_gemm=True, cuda_jit=True) == "lightning_indexer.cuda.deepgemm_radix"
+    assert chosen(gpu=True, triton=True, deep_gemm=True) == "lightning_indexer.generic.composed"
+    assert chosen(gpu=True, triton=True, cuda_jit=True) == "lightning_indexer.generic.composed"
+    res = registry.resolve("lightning_indexer", parse_target("sm90"), Problem(heads=16, dim=128, next_n=1, k=2048,
+                                                                              fp8="fn", slots=False),
+                           environment=Environment.simulated(gpu=True, deep_gemm=True, cuda_jit=True))
+    assert res.chosen.impl_id == "lightning_indexer.generic.composed"
+    assert "heads=16" in next(c.reason for c in res.candidates if c.impl.vendor == "cuda")
+
+
+def test_build_without_nvcc_raises_with_the_reason(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(jit.os, "access", lambda path, mode: False)
+    with pytest.raises(jit.CudaBuildError, match="no nvcc found"):
+        jit.build("topk.cu", (9, 0))
+
+
+def test_build_failure_carries_the_compiler_output(monkeypatch, tmp_path):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'release 99.9'; exit 0; fi\n"
+                    "echo 'topk.cu(1): error: planted failure' >&2; exit 2\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(jit.CudaBuildError, match="planted failure"):
+        jit.build("topk.cu", (9, 0))
+    assert not list((tmp_path / "cache").rglob("*.so")), "a failed build must leave nothing in the cache"
+
+
+def test_cache_key_follows_source_flags_and_toolkit(monkeypatch, tmp_path):
+    calls = []
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo \"release $TOOLKIT\"; exit 0; fi\n"
+                    "for a in \"$@\"; do prev=$cur; cur=$a; if [ \"$prev\" = -o ]; then : > \"$a\"; fi; done\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv(jit.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("TOOLKIT", "13.0")
+    first = jit.build("topk.cu", (9, 0))
+    calls.append(first)
+    assert first.exists() and jit.build("topk.cu", (9, 0)) == first  # cached
+    assert jit.build("topk.cu", (10, 0)) != first  # another arch
+    monkeypatch.setenv("TOOLKIT", "13.1")
+    assert jit.build("topk.cu", (9, 0)) != first  # another toolkit
+
+
+@pytest.mark.parametrize("rows,cols,vec,cluster", [(32, 8192, 4, 1), (1, 8192, 4, 1), (1, 32768, 4, 2),
+                                                   (64, 32768, 4, 2), (128, 32768, 4, 1), (8, 131072, 4, 8),
+                                                   (32, 131072, 4, 4), (1, 262144, 4, 8), (3, 70000, 1, 3),
+                                                   (1, 300000, 4, 8)])
+def test_launch_plan(rows, cols, vec, cluster):
+    got_cluster, chunk = cuda_topk.plan(rows, cols, 132, vec)
+    assert got_cluster == cluster
+    assert chunk % (32 * vec) == 0 and chunk * got_cluster >= cols  # every column has a slot
+    assert chunk * 4 + 56 * 1024 <= 227 * 1024  # fits the opt-in shared memory with the histograms
+
+
+def test_rows_too_wide_for_eight_ctas_have_no_plan():
+    assert cuda_topk.plan(1, 8 * 48 * 1024, 132, 4) is None
+
+
+# --- FlashInfer adapter, against a double of flashinfer 0.7's documented top_k_ragged_transform -------------
+def _flashinfer_double():
+    """A test double, named as such: implements FlashInfer's documented semantics in plain torch (per-row
+    lengths, -1 padding for rows shorter than k, lower-index ties with TopKTieBreak.SMALL, + offsets)."""
+    calls = []
+
+    def top_k_ragged_transform(x, offsets, lengths, k, deterministic=False, tie_break=0, dsa_graph_safe=False,
+                               row_starts=None):
+        calls.append(dict(deterministic=deterministic, tie_break=tie_break, offsets=offsets, lengths=lengths,
+                          dtype=lengths.dtype))
+        out = ref.topk_indices(x, k, lengths)
+        return torch.where(out >= 0, out + offsets[:, None], out)
+
+    module = types.SimpleNamespace(top_k_ragged_transform=top_k_ragged_transform, __version__="0.7.4-double",
+                                   TopKTieBreak=types.SimpleNamespace(NONE=0, SMALL=1, LARGE=2))
+    return module, calls
+
+
+def test_flashinfer_adapter_passes_lengths_and_asks_for_deterministic_low_index_ties():
+    module, calls = _flashinfer_double()
+    adapter = flashinfer_topk.make_topk_indices(module)
+    logits = torch.randn(5, 300)
+    ends = torch.tensor([300, 10, 64, 299, 0], dtype=torch.int32)
+    got = adapter(logits, 64, ends)
+    assert torch.equal(got, ref.topk_indices(logits, 64, ends))
+    assert calls[0]["deterministic"] is True and calls[0]["tie_break"] == 1 and calls[0]["dtype"] == torch.int32
+    assert int(calls[0]["offsets"].abs().sum()) == 0
+    with pytest.raises(ValueError, match="starts"):
+        adapter(logits, 64, ends, torch.zeros(5, dtype=torch.int32))
+
+
+def test_flashinfer_supports_and_api_checks():
+    assert "starts" in flashinfer_topk.supports(Problem(k=64, starts=True, slots=False), None)
+    assert "slot" in flashinfer_topk.supports(Problem(k=64, starts=False, slots=True), None)
+    assert "k=4096" in flashinfer_topk.supports(Problem(k=4096, starts=False, slots=False), None)
+    assert flashinfer_topk.supports(Problem(k=2048, starts=False, slots=False), None) is None
+    old = types.SimpleNamespace(__version__="0.2", top_k=lambda *a: None)
+    assert "no top_k_ragged_transform" in flashinfer_topk.api_problem(old)
+    with pytest.raises(RuntimeError, match="no top_k_ragged_transform"):
+        flashinfer_topk.make_topk_indices(old)
+
+
+def test_flashinfer_ranks_below_the_cuda_and_triton_top_k():
+    res = _resolve("sm90", gpu=True, triton=True, cuda_jit=True, flashinfer=True)
+    order = [c.impl.impl_id for c in res.candidates if c.accepted]
+    assert order.index("topk_indices.cuda.flashinfer") > order.index("topk_indices.triton.topk")
+    res = _resolve("sm90", gpu=True, flashinfer=True)
+    assert res.chosen.impl_id == "topk_indices.cuda.flashinfer"
