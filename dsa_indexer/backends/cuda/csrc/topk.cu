@@ -9,11 +9,12 @@
 // over a thread-block cluster of C CTAs when it is long (C <= 8, distributed shared memory joins the
 // histograms), and every later pass reads shared memory only:
 //   P0  load + the row's min and max key;
-//   P1+ radix select over u = key - min with 12-bit digits taken from the top set bit of (max - min) down, so
-//       the first histogram spreads the row's actual range over 4096 bins whatever its scale (real indexer
-//       logits sit in a narrow band, where fixed exponent bins would hold most of the row in a few bins and
-//       serialize the shared-memory atomics); a level stops early when the bin holding the k-th key is taken
-//       whole; at most 3 levels;
+//   P1  a histogram of 4096 equal-width VALUE bins over the row's finite range (real indexer logits straddle
+//       zero, where bins on the order key's bits are 1/8 octave wide and hold a few percent of the row); when
+//       the k-th value's bin is taken whole or holds <= 64 keys, that bin is resolved directly (ranked by key,
+//       then column);
+//   P2+ otherwise a radix select over u = key - min with 12-bit digits from the top set bit of (max - min)
+//       down, stopping early the same way; at most 3 levels;
 //   P4  per-warp counts of keys above the threshold and equal to it; P5 the ordered write.
 // Each warp owns a contiguous run of columns and CTAs own contiguous chunks, so ranks in column order come
 // from warp scans plus one exclusive scan over warps and CTAs: the output holds the keys above the threshold
