@@ -168,7 +168,7 @@ def test_lightning_indexer_cuda_matches_reference_on_its_logits(kernel_ready):
                            Problem(heads=64, dim=128, next_n=1, k=2048, fp8="fn", slots=False))
     if res.chosen is None or res.chosen.impl_id != "lightning_indexer.cuda.deepgemm_radix":
         pytest.skip("lightning_indexer.cuda.deepgemm_radix is not chosen here: " + res.explain().splitlines()[-1])
-    logits, lens, table, q, weights, cache = _real_logitsFull(16, 8192)
+    logits, lens, table, q, weights, cache = _real_decode_step(16, 8192)
     lens_ragged = torch.randint(1, 8193, (16, 1), device=DEVICE, dtype=torch.int32)
     lens_ragged[0] = 0  # a padding row
     for context_lens in (lens, lens_ragged):
@@ -181,7 +181,7 @@ def test_lightning_indexer_cuda_matches_reference_on_its_logits(kernel_ready):
         assert torch.equal(slots.sort(dim=1).values, want_slots.sort(dim=1).values)
 
 
-def _real_logitsFull(batch, ctx):
+def _real_decode_step(batch, ctx):
     from dsa_indexer.testing import real_decode_logits
 
     logits, lens, table, q, weights, cache = real_decode_logits(batch, ctx, DEVICE, seed=batch + ctx)

@@ -21,12 +21,10 @@ from .topk import topk_indices
 
 def _row_requests(context_lens: torch.Tensor) -> torch.Tensor:
     """Row b * next_n + j -> request b, made once per step (memoized on the step's context_lens)."""
+    from ..reference.kernels import _row_requests as make
+
     batch, next_n = context_lens.shape
-
-    def compute() -> torch.Tensor:
-        return torch.arange(batch, dtype=torch.int32, device=context_lens.device).repeat_interleave(next_n)
-
-    return step_memo(context_lens, ("row_requests",), compute)
+    return step_memo(context_lens, ("row_requests",), lambda: make(batch, next_n, context_lens.device))
 
 
 def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:

@@ -590,5 +590,7 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not return_slots:
         return topk_indices(logits, k, context_lens.reshape(-1))
-    rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device).repeat_interleave(q.shape[1])
-    return topk_indices(logits, k, context_lens.reshape(-1), None, block_table, rows)
+    from ..reference.kernels import _row_requests
+
+    return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
+                        _row_requests(q.shape[0], q.shape[1], q.device))

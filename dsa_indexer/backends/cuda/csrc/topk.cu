@@ -543,8 +543,18 @@ int dsa_topk_launch(const float* x, long long x_stride, int rows, int cols, int 
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, chunk_cols};
   const size_t smem = (size_t)dsa_topk_smem_bytes(chunk_cols);
   void (*kernel)(Params) = vec == 4 ? topk_rows_kernel<4> : topk_rows_kernel<1>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  // Raise the kernel's shared-memory limit once per (device, variant) to the largest size asked so far: the
+  // attribute call is host work that a per-launch hot path (and a graph capture) need not repeat.
+  static size_t raised[64][2];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return (int)err;
+  size_t& done = raised[device & 63][vec == 4 ? 1 : 0];
+  if (smem > done) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return (int)err;
+    done = smem;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((unsigned)cluster, (unsigned)min(rows, max_grid_rows), 1);
   config.blockDim = dim3(kThreads, 1, 1);
