@@ -45,9 +45,11 @@ def main() -> int:
     indexer = Indexer(cfg, device="cuda").init_random(0)
     rows = []
     for batch in (1, 8, 32, 64):
-        x, q_lora, quant, db, cache = decode_step(cfg, indexer, batch, args.context, "cuda", seed=batch)
-        g_reuse, out_reuse = capture(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant))
-        g_plain, out_plain = capture(lambda: indexer(x, q_lora, db.positions, db, cache))
+        x, q_lora, quant, db, cache, state = decode_step(cfg, indexer, batch, args.context, "cuda", seed=batch)
+        # next_n = 1: every replay reads the same state positions (p-7..p-1) and writes p; the step is idempotent.
+        g_reuse, out_reuse = capture(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant,
+                                                     compressor_state=state))
+        g_plain, out_plain = capture(lambda: indexer(x, q_lora, db.positions, db, cache, compressor_state=state))
         assert torch.equal(out_reuse, out_plain)
         plain, reuse = [], []
         for _ in range(3):  # alternate, so drift affects both

@@ -10,6 +10,7 @@ This file is the stable public API: it never changes when a backend is added.
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
 from .cache import IndexKCache
+from .compressor import Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch import (Environment, Implementation, NoImplementationError, Problem, Registry, Resolution, Target,
                        default_registry, detect_target, hookimpl, parse_target)
@@ -27,6 +28,6 @@ def explain(op: str, target: str | Target | None = None, **problem) -> str:
     return default_registry().resolve(op, tgt, Problem(**problem)).explain()
 
 
-__all__ = ["DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout", "Implementation", "IndexKCache", "Indexer", "IndexerConfig",
+__all__ = ["Compressor", "CompressorState", "DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout", "Implementation", "IndexKCache", "Indexer", "IndexerConfig",
            "IndexerInputError", "NoImplementationError", "PrefillBatch", "Problem", "QuantizedActivation", "Registry",
            "Resolution", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops", "parse_target"]

@@ -3,7 +3,9 @@
 Builders validate lengths against the block table and the cache capacity on the host, once per step, so the
 kernels can trust them (an out-of-range page id would otherwise read another request's keys or fault).
 With ``compress_ratio=4`` (V4's C4 indexer) keys are compressed entries: a query at position t sees entries
-``j < (t + 1) // 4``, and the block table maps entry indices to cache slots.
+``j < (t + 1) // 4``, and the block table maps entry indices to cache slots. A row whose position p completes an
+entry ((p + 1) % 4 == 0) stores that entry j = p // 4: its ``slot_mapping`` is the entry's cache slot (-1 for the
+other rows), it is listed in ``compress_rows``, and ``state_slot`` names the `CompressorState` slot of its request.
 """
 
 from __future__ import annotations
@@ -56,6 +58,30 @@ def _slots(block_table: torch.Tensor, request: torch.Tensor, position: torch.Ten
     return block_table[request, position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
 
 
+def _key_slots(table: torch.Tensor, request: torch.Tensor, positions: torch.Tensor, compress_ratio: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache slot of the key each row stores, rows that complete a compressed entry). Ratio 1: every row stores
+    its own key. Ratio 4: a row at position p stores entry p // 4 when (p + 1) % 4 == 0, else nothing (-1)."""
+    if compress_ratio == 1:
+        return _slots(table, request, positions), torch.zeros(0, dtype=torch.int64)
+    completes = (positions + 1) % compress_ratio == 0
+    entry = positions // compress_ratio
+    slots = torch.where(completes, _slots(table, request, torch.where(completes, entry, 0)), -1)
+    return slots, completes.reshape(-1).nonzero().reshape(-1)
+
+
+def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
+    """The CompressorState slot of each request: ``state_slots`` if given, else the request's index."""
+    if state_slots is None:
+        return torch.arange(num_requests)
+    slots = _as_host_int_tensor("state_slots", state_slots, (1,))
+    if slots.shape[0] != num_requests:
+        raise IndexerInputError(f"state_slots must name one slot per request ({num_requests}), got {slots.shape[0]}")
+    if bool((slots < 0).any()) or slots.unique().numel() != slots.numel():
+        raise IndexerInputError("state_slots must be distinct and >= 0 (one CompressorState slot per request)")
+    return slots
+
+
 @dataclass
 class DecodeBatch:
     """B requests x next_n query tokens (row = b * next_n + n). Tensors live on the compute device."""
@@ -63,11 +89,14 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [B, next_n] int32: keys visible to each row
     block_table: torch.Tensor  # [B, max_pages] int32
     positions: torch.Tensor  # [B * next_n] int64: token position of each row
-    slot_mapping: torch.Tensor  # [B * next_n] int64: cache slot of each row's own key (-1: no key stored)
+    slot_mapping: torch.Tensor  # [B * next_n] int64: cache slot of the key each row stores (-1: none)
     row_request: torch.Tensor  # [B * next_n] int32
     max_context_len: int
     next_n: int
     compress_ratio: int = 1
+    compress_rows: torch.Tensor | None = None  # [E] int64 rows that complete a compressed entry (C4)
+    state_slot: torch.Tensor | None = None  # [B * next_n] int64 CompressorState slot of each row (-1: padding)
+    max_state_slot: int = -1  # host copy of state_slot.max(), checked against the state without a device sync
 
     @property
     def num_tokens(self) -> int:
@@ -80,10 +109,11 @@ class DecodeBatch:
     @classmethod
     def build(cls, seq_lens, block_table, *, next_n: int = 1, num_cache_pages: int | None = None,
               device: torch.device | str = "cpu", compress_ratio: int = 1,
-              max_context_len: int | None = None) -> "DecodeBatch":
+              max_context_len: int | None = None, state_slots=None) -> "DecodeBatch":
         """``seq_lens[b]``: tokens of request b including its next_n new ones. ``block_table[b]``: its pages
         (of compressed entries when compress_ratio is 4). ``max_context_len``: pad the logits width (default:
-        the longest row, rounded up to a page), e.g. to keep a CUDA graph's shapes fixed."""
+        the longest row, rounded up to a page), e.g. to keep a CUDA graph's shapes fixed. ``state_slots[b]``:
+        the `CompressorState` slot of request b (C4; default b)."""
         if not isinstance(next_n, int) or next_n < 1:
             raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
         if compress_ratio not in (1, 4):
@@ -109,13 +139,12 @@ class DecodeBatch:
                                         f"{table.shape[1]} pages x {PAGE_SIZE}")
             width = table.shape[1] * PAGE_SIZE
         request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n)
-        if compress_ratio == 1:
-            slots = _slots(table, request, positions)
-        else:
-            slots = torch.full_like(positions, -1)  # compressed keys are stored by the model's compressor
+        slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
+        state = _state_slots(state_slots, seq.shape[0])[request]
         return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
                    positions.reshape(-1).to(device), slots.reshape(-1).to(device),
-                   request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio)
+                   request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio,
+                   compress_rows.to(device), state.reshape(-1).to(device), int(state.max()))
 
 
 @dataclass
@@ -130,11 +159,14 @@ class PrefillBatch:
     ke: torch.Tensor  # [T] int32
     gather_slots: torch.Tensor  # [total keys] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64 (-1 when compressed: keys come from the compressor)
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of the key each row stores (-1: none)
     row_request: torch.Tensor  # [T] int32
     block_table: torch.Tensor  # [B, max_pages] int32
     max_keys_per_row: int
     compress_ratio: int = 1
+    compress_rows: torch.Tensor | None = None  # [E] int64 rows that complete a compressed entry (C4)
+    state_slot: torch.Tensor | None = None  # [T] int64 CompressorState slot of each row
+    max_state_slot: int = -1  # host copy of state_slot.max()
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +174,9 @@ class PrefillBatch:
 
     @classmethod
     def build(cls, prefix_lens, extend_lens, block_table, *, num_cache_pages: int | None = None,
-              device: torch.device | str = "cpu", compress_ratio: int = 1) -> "PrefillBatch":
+              device: torch.device | str = "cpu", compress_ratio: int = 1, state_slots=None) -> "PrefillBatch":
+        """Request b: ``prefix_lens[b]`` tokens already cached, ``extend_lens[b]`` new ones in this step (rows in
+        request order). ``state_slots[b]``: the `CompressorState` slot of request b (C4; default b)."""
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
         prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,))
@@ -170,10 +204,9 @@ class PrefillBatch:
         positions = torch.cat(pos)
         request = torch.cat(req)
         ks_t, ke_t = torch.cat(ks), torch.cat(ke)
-        if compress_ratio == 1:
-            slots = _slots(table, request, positions)
-        else:
-            slots = torch.full_like(positions, -1)
+        slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
+        state = _state_slots(state_slots, prefix.shape[0])[request]
         return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
-                   table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio)
+                   table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
+                   compress_rows.to(device), state.to(device), int(state.max()))

@@ -1,81 +1,211 @@
-"""A reference key compressor for DeepSeek-V4's C4 indexer (4 tokens -> 1 index key).
+"""DeepSeek-V4's C4 key compressor (4 tokens -> 1 index key), as the published V4 inference code defines it.
 
-The compressor belongs to the model's attention; the library only needs its output. This pure-torch module exists
-so that `dsa-indexer run --model deepseek-v4-flash` is a complete demo and the C4 path can be tested end to end.
-It implements gated pooling over overlapping windows as the public V4 description states it: compressed entry j
-pools the tokens of window ``[4j - 4, 4j + 4)`` (its own 4 tokens and the 4 before, clipped at 0) with
-softmax gates computed per channel from the tokens plus a learned per-offset bias, then RMSNorm. The entry becomes
-visible once its last token ``4j + 3`` exists: a query at position t sees entries ``j < (t + 1) // 4``.
-It has not been checked against a V4 checkpoint (none is available here); treat its weights layout as ours.
+Facts (DeepSeek-V4-Flash ``inference/model.py``, class ``Compressor`` with ``compress_ratio`` 4; vLLM and SGLang read
+the same checkpoint tensors the same way; docs/v4.md says what was checked against what):
+
+- Weights (checkpoint ``layers.{L}.attn.indexer.compressor.*``): ``wkv`` and ``wgate`` [2 x 128, hidden] (bf16 in the
+  checkpoint, run in fp32), ``ape`` [4, 256] fp32, ``norm.weight`` [128] (RMSNorm, eps 1e-6).
+- Per token at position p: ``kv = wkv(x)`` and ``score = wgate(x) + ape[p % 4]``, in fp32, 256 channels each.
+- Entry j pools the 8 tokens [4j - 4, 4j + 4): the previous group's 4 tokens contribute channels [:128], the entry's
+  own 4 tokens channels [128:]. Per channel, a softmax over the 8 tokens (a missing token, before position 0, scores
+  -inf) weights the kv values; the fp32 sum is rounded to bf16, then RMSNorm (fp32 math, bf16 out).
+- The entry is complete when its last token 4j + 3 exists, so a decode step compresses when (p + 1) % 4 == 0, and a
+  query at position t sees entries j < (t + 1) // 4. The key gets RoPE at position 4j (trailing 64 dims, interleaved),
+  the Hadamard, fp8 quant and the store into the index-K cache (the library's `k_prologue_store` op, norm "none").
+
+Decode needs the projections of a request's last tokens: `CompressorState` keeps the kv and score of each request's
+last 8 positions (ring index p % 8; fp32; 16 KiB per request). Every step reads the window tokens that are not in
+the step from the state, then writes the step's last 8 tokens per request into it, all with device ops (no host
+sync), so a decode step with its compression can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import ops
 from .config import IndexerConfig
+from .validate import IndexerInputError
+
+RATIO = 4
+WINDOW = 2 * RATIO  # entry j pools tokens [4j - 4, 4j + 4)
+_ENTRIES_PER_CHUNK = 8192  # bounds the [entries, 8, 256] fp32 window gathers of a long prefill to 64 MiB each
 
 
-class ReferenceCompressor(nn.Module):
-    def __init__(self, config: IndexerConfig, device=None, dtype=torch.bfloat16) -> None:
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
+
+
+@dataclass
+class CompressorState:
+    """Per-request rolling state of one layer's C4 compressor: the kv and gate scores (ape added) of each request's
+    last 8 token positions, fp32 ``[num_slots + 1, 8, 256]``; ring index = position % 8. The last row is scratch:
+    padding rows of a captured graph write there.
+
+    One state per layer, like the cache. A request's slot must hold its own history: a request that starts at
+    position 0 never reads it, but one that resumes (chunked prefill, decode) reads the tokens before its step.
+    After a prefix-cache hit, rebuild the slot with `Compressor.prime_state` from the prefix's last 8 tokens."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, config: IndexerConfig, device: torch.device | str = "cpu"
+                 ) -> "CompressorState":
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if config.compress_ratio != RATIO:
+            raise ValueError(f"CompressorState is for compress_ratio 4 (C4) configs, got {config.compress_ratio}")
+        shape = (num_slots + 1, WINDOW, 2 * config.head_dim)
+        return cls(torch.zeros(shape, dtype=torch.float32, device=device),
+                   torch.full(shape, float("-inf"), dtype=torch.float32, device=device))
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.shape[0] - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+
+@dataclass
+class CompressionStep:
+    """What one indexer step hands the compressor (built by `Indexer.forward` from the batch)."""
+
+    state: CompressorState
+    positions: torch.Tensor  # [T] int64
+    row_request: torch.Tensor  # [T] request index of each row (rows of a request are consecutive)
+    state_slot: torch.Tensor  # [T] int64 state slot of each row; -1: a padding row that touches nothing
+    compress_rows: torch.Tensor  # [E] int64 rows whose position completes an entry ((p + 1) % 4 == 0)
+    entry_slots: torch.Tensor  # [T] int64 cache slot of the entry a row completes, -1 for other rows
+    num_requests: int
+
+
+class Compressor(nn.Module):
+    """The C4 indexer's key compressor of one layer (child ``compressor`` of a C4 `Indexer`)."""
+
+    def __init__(self, config: IndexerConfig, device=None) -> None:
         super().__init__()
-        if config.compress_ratio != 4:
-            raise ValueError(f"ReferenceCompressor is for compress_ratio 4 (C4) configs, got {config.compress_ratio}")
+        if config.compress_ratio != RATIO:
+            raise ValueError(f"Compressor is for compress_ratio 4 (C4) configs, got {config.compress_ratio}")
         self.config = config
-        self.ratio = config.compress_ratio
-        self.window = 2 * config.compress_ratio  # overlapping: own tokens + the previous window's
         d = config.head_dim
-        self.wkv = nn.Linear(config.hidden_size, d, bias=False, device=device, dtype=dtype)
-        self.wgate = nn.Linear(config.hidden_size, d, bias=False, device=device, dtype=dtype)
-        self.position_bias = nn.Parameter(torch.zeros(self.window, d, device=device, dtype=torch.float32))
-        self.norm_weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        # fp32 parameters: the published code declares them fp32 and runs the pooling in fp32.
+        self.wkv = nn.Linear(config.hidden_size, 2 * d, bias=False, device=device, dtype=torch.float32)
+        self.wgate = nn.Linear(config.hidden_size, 2 * d, bias=False, device=device, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(RATIO, 2 * d, device=device, dtype=torch.float32))
+        self.norm = nn.RMSNorm(d, eps=config.norm_eps, device=device, dtype=torch.float32)
+        self.requires_grad_(False)
+        self._projection: tuple[tuple, torch.Tensor] | None = None
 
     @torch.no_grad()
-    def init_random(self, seed: int = 0) -> "ReferenceCompressor":
-        gen = torch.Generator().manual_seed(seed)
+    def init_random(self, generator: torch.Generator) -> "Compressor":
         h = self.config.hidden_size
         for lin in (self.wkv, self.wgate):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * h ** -0.5)
-        self.position_bias.copy_(torch.randn(self.position_bias.shape, generator=gen) * 0.1)
-        self.norm_weight.copy_(1 + 0.1 * torch.randn(self.norm_weight.shape, generator=gen))
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=generator) * h ** -0.5)
+        self.ape.copy_(torch.randn(self.ape.shape, generator=generator) * 0.5)
+        self.norm.weight.copy_(1 + 0.1 * torch.randn(self.norm.weight.shape, generator=generator))
         return self
 
-    def forward(self, x: torch.Tensor, first_entry: int = 0, start: int = 0) -> torch.Tensor:
-        """Compress a request's tokens ``x [L, hidden]`` at positions ``start .. start + L - 1`` into its complete
-        entries from ``first_entry`` on: returns bf16 ``[E, head_dim]`` (normed, before RoPE). ``x`` must cover
-        every window it computes (from position ``4 * first_entry - 4``, clipped at 0)."""
-        length = start + x.shape[0]
-        n_entries = length // self.ratio
-        if start > max(0, first_entry * self.ratio - self.ratio):
-            raise ValueError(f"x starts at position {start} but entry {first_entry} needs tokens from "
-                             f"{max(0, first_entry * self.ratio - self.ratio)}")
-        if n_entries <= first_entry:
-            return x.new_empty(0, self.config.head_dim)
-        kv = self.wkv(x).float()
-        gate = self.wgate(x).float()
-        entries = torch.arange(first_entry, n_entries, device=x.device)
-        offsets = torch.arange(self.window, device=x.device)
-        tokens = entries[:, None] * self.ratio - self.ratio + offsets[None, :]  # [E, window] positions
-        valid = tokens >= 0
-        tokens = tokens.clamp_min(0) - start
-        scores = gate[tokens] + self.position_bias[None]
-        scores = scores.masked_fill(~valid[..., None], float("-inf"))
-        pooled = (torch.softmax(scores, dim=1) * kv[tokens]).sum(dim=1)
-        from .backends.reference.kernels import rmsnorm
+    def projection_weight(self) -> torch.Tensor:
+        """``[wkv; wgate]`` [512, hidden] fp32: one GEMM per step (rebuilt when either weight changes)."""
+        parts = (self.wkv.weight, self.wgate.weight)
+        key = tuple((p.data_ptr(), _version_of(p), p.device) for p in parts)
+        if self._projection is None or self._projection[0] != key:
+            self._projection = (key, torch.cat(parts, dim=0).contiguous())
+        return self._projection[1]
 
-        return rmsnorm(pooled, self.norm_weight, self.config.norm_eps).to(x.dtype)
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv, score)`` fp32 [T, 256] each for tokens ``x`` [T, hidden] at ``positions``; score has ape added."""
+        both = F.linear(x.float(), self.projection_weight())
+        two_d = 2 * self.config.head_dim
+        kv, score = both[:, :two_d], both[:, two_d:]
+        return kv, score + self.ape[positions % RATIO]
 
-    def store(self, entries: torch.Tensor, first_entry: int, block_table_row: torch.Tensor, cos_sin: torch.Tensor,
-              kv_cache: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-        """RoPE (at the entry's first token position), Hadamard, fp8 and the store of compressed entries into the
-        index-K cache, through the library's `k_prologue_store` op (norm "none": the compressor already normed)."""
-        if entries.shape[0] == 0:
-            return
+    def pool(self, kv_window: torch.Tensor, score_window: torch.Tensor) -> torch.Tensor:
+        """Window projections [E, 8, 256] (token offsets 0..7 of each entry's window) -> normed bf16 entries [E, 128]:
+        offsets 0-3 use channels [:128], 4-7 channels [128:]; softmax per channel over the 8 offsets."""
+        d = self.config.head_dim
+        kv = torch.cat([kv_window[:, :RATIO, :d], kv_window[:, RATIO:, d:]], dim=1)
+        score = torch.cat([score_window[:, :RATIO, :d], score_window[:, RATIO:, d:]], dim=1)
+        pooled = (torch.softmax(score, dim=1) * kv).sum(dim=1)
+        return self.norm(pooled.to(torch.bfloat16).float()).to(torch.bfloat16)
+
+    def compress(self, x: torch.Tensor) -> torch.Tensor:
+        """All complete entries of ONE request from its tokens ``x`` [L, hidden] at positions 0 .. L - 1 -> bf16
+        [L // 4, 128] (normed, before RoPE). Stateless: what a whole-prompt prefill computes (and a readable
+        statement of the math; `step` computes the same entries batched and resumable)."""
+        kv, score = self.project(x, torch.arange(x.shape[0], device=x.device))
+        n = x.shape[0] // RATIO
+        if n == 0:
+            return x.new_empty(0, self.config.head_dim, dtype=torch.bfloat16)
+        tokens = torch.arange(n, device=x.device)[:, None] * RATIO - RATIO + torch.arange(WINDOW, device=x.device)
+        missing = (tokens < 0)[..., None]
+        kv_w = kv[tokens.clamp_min(0)].masked_fill(missing, 0.0)
+        score_w = score[tokens.clamp_min(0)].masked_fill(missing, float("-inf"))
+        return self.pool(kv_w, score_w)
+
+    @torch.no_grad()
+    def prime_state(self, state: CompressorState, slot: int, x_tail: torch.Tensor, first_position: int) -> None:
+        """Write a request's last tokens (``x_tail`` [<= 8, hidden] at positions ``first_position ..``) into its
+        state slot, e.g. after restoring a cached prefix whose keys are already in the index-K cache."""
+        if not 0 <= slot < state.num_slots:
+            raise IndexerInputError(f"slot must lie in [0, {state.num_slots}), got {slot}")
+        if x_tail.shape[0] > WINDOW:
+            x_tail, first_position = x_tail[-WINDOW:], first_position + x_tail.shape[0] - WINDOW
+        positions = torch.arange(first_position, first_position + x_tail.shape[0], device=x_tail.device)
+        kv, score = self.project(x_tail.to(state.device), positions.to(state.device))
+        ring = positions.to(state.device) % WINDOW
+        state.kv[slot, ring] = kv
+        state.score[slot, ring] = score
+
+    def step(self, x: torch.Tensor, step: CompressionStep, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
+             fp8_dtype: torch.dtype) -> None:
+        """Compress and store every entry this step's tokens complete, then roll the state forward."""
         cfg = self.config
-        idx = torch.arange(first_entry, first_entry + entries.shape[0], device=entries.device)
-        slots = block_table_row.to(entries.device).long()[idx // 64] * 64 + idx % 64
-        ops.k_prologue_store(entries, None, None, cfg.norm_eps, idx * self.ratio, cos_sin, kv_cache, slots,
-                             rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0,
-                             fp8_dtype=fp8_dtype, norm="none")
+        state = step.state
+        positions = step.positions
+        kv, score = self.project(x, positions)
+        t = positions.shape[0]
+        request = step.row_request.long()
+        big = torch.iinfo(torch.int64).max
+        first = torch.full((step.num_requests,), big, dtype=torch.int64, device=x.device)
+        first = first.scatter_reduce(0, request, positions, "amin")
+        last = torch.full((step.num_requests,), -1, dtype=torch.int64, device=x.device)
+        last = last.scatter_reduce(0, request, positions, "amax")
+        rows_in_step = positions - first[request]  # how many earlier rows of this request the step holds
+        scratch = state.num_slots
+        slot = torch.where(step.state_slot >= 0, step.state_slot, torch.full_like(step.state_slot, scratch))
+
+        offsets = torch.arange(WINDOW, device=x.device)
+        for start in range(0, step.compress_rows.shape[0], _ENTRIES_PER_CHUNK):
+            rows = step.compress_rows[start:start + _ENTRIES_PER_CHUNK]
+            back = (WINDOW - 1) - offsets  # window offset o is (7 - o) tokens before the entry's last token
+            token = positions[rows, None] - back[None, :]  # [E, 8] positions of the window's tokens
+            in_step = back[None, :] <= rows_in_step[rows, None]
+            from_step = (rows[:, None] - back[None, :]).clamp(0, t - 1)
+            ring = token.clamp_min(0) % WINDOW
+            kv_w = torch.where(in_step[..., None], kv[from_step], state.kv[slot[rows, None], ring])
+            score_w = torch.where(in_step[..., None], score[from_step], state.score[slot[rows, None], ring])
+            missing = (token < 0)[..., None]
+            kv_w = kv_w.masked_fill(missing, 0.0)
+            score_w = score_w.masked_fill(missing, float("-inf"))
+            entries = self.pool(kv_w, score_w)
+            # RoPE at the entry's first own token 4j = p - 3, Hadamard, fp8, store (rows without an entry: slot -1).
+            ops.k_prologue_store(entries, None, None, cfg.norm_eps, positions[rows] - (RATIO - 1), cos_sin, kv_cache,
+                                 step.entry_slots[rows], rope_offset=cfg.rope_offset,
+                                 interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="none")
+        # Keep each request's last 8 positions; older rows of a long step go to the scratch row.
+        keep = (last[request] - positions) < WINDOW
+        target = torch.where(keep, slot, torch.full_like(slot, scratch))
+        ring = positions % WINDOW
+        state.kv[target, ring] = kv
+        state.score[target, ring] = score

@@ -26,6 +26,8 @@ class IndexerConfig:
     norm_eps: float = 1e-6
     compress_ratio: int = 1  # 4 for V4's C4 indexer: one key per 4 tokens
     fp8_block: int = 128
+    # Where a layer's indexer tensors live in the checkpoint ({layer} is the layer number).
+    checkpoint_prefix: str = "model.layers.{layer}.self_attn.indexer."
 
     def __post_init__(self) -> None:
         if self.rope_position not in ("first", "last"):
@@ -52,12 +54,33 @@ class IndexerConfig:
         return replace(cls(name="deepseek-v3.2", hidden_size=7168, q_lora_rank=1536), **overrides)
 
     @classmethod
-    def deepseek_v4_flash(cls, **overrides) -> "IndexerConfig":
+    def deepseek_v4_flash(cls, key_quant: str = "fp8_ue8m0", **overrides) -> "IndexerConfig":
         """DeepSeek-V4-Flash C4 indexer: hidden 4096, q_lora_rank 1024, 64 heads x 128, top-512, interleaved RoPE
-        on the trailing 64 dims, keys compressed 4:1 by the model's compressor."""
+        on the trailing 64 dims with ``compress_rope_theta`` 160000 and YaRN (factor 16, original 65536, beta 32/1)
+        over 1,048,576 positions, keys compressed 4:1 by the indexer's own `Compressor`.
+
+        ``key_quant``: how q and the compressed keys are quantized for the fp8 logits (see `V4_KEY_QUANT`).
+        Default ``"fp8_ue8m0"`` (vLLM's recipe, and V4's ``scale_fmt: ue8m0``): power-of-two scales, which every
+        backend consumes, Blackwell DeepGEMM's packed UE8M0 scales included. ``"fp8_fp32"`` is SGLang's default
+        (plain amax / 448 scales). Both fill the same cache layout and feed the same kernels."""
+        if key_quant not in V4_KEY_QUANT:
+            hint = (" DeepSeek's reference code simulates FP4 (e2m1, block 32) for the indexer's q and k; the index-K "
+                    "cache holds fp8 keys with one scale each, so that recipe is not supported here."
+                    if key_quant.startswith("fp4") else "")
+            raise ValueError(f"key_quant must be one of {sorted(V4_KEY_QUANT)}, got {key_quant!r}.{hint}")
         base = cls(name="deepseek-v4-flash", hidden_size=4096, q_lora_rank=1024, topk=512, rope_position="last",
-                   rope_interleaved=True, ue8m0=False, k_norm="none", compress_ratio=4, max_position=65536)
+                   rope_interleaved=True, rope_theta=160000.0,
+                   yarn=YarnScaling(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0),
+                   max_position=1 << 20, ue8m0=V4_KEY_QUANT[key_quant][0], k_norm="none", compress_ratio=4,
+                   checkpoint_prefix="layers.{layer}.attn.indexer.")
         return replace(base, **overrides)
+
+
+# name -> (power-of-two scales?, who uses it)
+V4_KEY_QUANT = {
+    "fp8_ue8m0": (True, "vLLM: fp8 e4m3, one power-of-two (UE8M0) scale per 128 values, stored as fp32"),
+    "fp8_fp32": (False, "SGLang's default: fp8 e4m3, one fp32 scale (amax / 448) per 128 values"),
+}
 
 
 MODELS = {"deepseek-v3.2": IndexerConfig.deepseek_v32, "deepseek-v4-flash": IndexerConfig.deepseek_v4_flash}

@@ -8,6 +8,9 @@ Vendor-neutral: `torch.cuda.CUDAGraph` is also HIP graphs on ROCm. What is stati
   request including its N new ones) and ``block_table`` [B, max_pages] int32;
 - derived INSIDE the graph with torch ops (no host sync, no ``.item()``): positions, context_lens, slot_mapping
   (`DecodeBuffers.derive`). The metadata kernels are part of the replay, so each replay sees its own lengths.
+- V4 C4: the layer's `CompressorState` is given at capture; ``state_slots`` [B] (default 0..B-1) is a static
+  buffer too. Every row goes through the compressor's window gather (the graph cannot know which rows complete an
+  entry); rows that complete none store nothing.
 - the logits width ``max_context_len`` is fixed at capture (a host int), like the shapes.
 
 Padding: ``replay`` takes b <= B requests; requests b..B-1 get ``seq_lens = 0``, which the derivation turns into
@@ -45,6 +48,8 @@ class DecodeBuffers:
     block_table: torch.Tensor  # [B, max_pages] int32
     offsets: torch.Tensor  # [N] int64: 0..N-1
     row_request: torch.Tensor  # [B*N] int32
+    state_slots: torch.Tensor  # [B] int64 CompressorState slot of each request (C4), -1 for padding requests
+    num_state_slots: int  # slots of the captured CompressorState (C4)
     max_context_len: int
     next_n: int
     compress_ratio: int
@@ -63,6 +68,7 @@ class DecodeBuffers:
             block_table=torch.zeros(batch_size, max_pages, dtype=torch.int32, device=device),
             offsets=torch.arange(next_n, dtype=torch.int64, device=device),
             row_request=torch.arange(batch_size, dtype=torch.int32, device=device).repeat_interleave(next_n),
+            state_slots=torch.arange(batch_size, dtype=torch.int64, device=device), num_state_slots=batch_size,
             max_context_len=max_context_len, next_n=next_n, compress_ratio=cfg.compress_ratio,
             max_position=cfg.max_position)
 
@@ -89,14 +95,25 @@ class DecodeBuffers:
             page_col = (pos // PAGE_SIZE).clamp_max(self.max_pages - 1)
             pages = torch.gather(self.block_table, 1, page_col).long()
             slots = torch.where(valid, pages * PAGE_SIZE + pos % PAGE_SIZE, torch.full_like(pos, -1))
-        else:
-            slots = torch.full_like(pos, -1)  # compressed keys are stored by the model's compressor
+            return DecodeBatch(context_lens, self.block_table, pos.reshape(-1), slots.reshape(-1), self.row_request,
+                               self.max_context_len, n, ratio)
+        # C4: a row at position p stores entry p // ratio when (p + 1) % ratio == 0.
+        completes = valid & ((pos + 1) % ratio == 0)
+        entry = pos // ratio
+        page_col = (entry // PAGE_SIZE).clamp_max(self.max_pages - 1)
+        pages = torch.gather(self.block_table, 1, page_col).long()
+        slots = torch.where(completes, pages * PAGE_SIZE + entry % PAGE_SIZE, torch.full_like(pos, -1))
+        request_slot = self.state_slots[:, None].expand(-1, n)
+        state_slot = torch.where(valid, request_slot, torch.full_like(request_slot, -1))
+        rows = torch.arange(pos.numel(), device=pos.device)
         return DecodeBatch(context_lens, self.block_table, pos.reshape(-1), slots.reshape(-1), self.row_request,
-                           self.max_context_len, n, ratio)
+                           self.max_context_len, n, ratio, rows, state_slot.reshape(-1),
+                           self.num_state_slots - 1)
 
     def load(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
-             block_table: torch.Tensor) -> int:
-        """Validate the inputs and copy them into the buffers; returns the number of live rows (b * next_n)."""
+             block_table: torch.Tensor, state_slots: torch.Tensor | None = None) -> int:
+        """Validate the inputs and copy them into the buffers; returns the number of live rows (b * next_n).
+        ``state_slots`` [b]: each request's CompressorState slot (C4; default 0..b-1)."""
         batch, n = self.batch_size, self.next_n
         check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1)
         b = seq_lens.shape[0]
@@ -118,7 +135,22 @@ class DecodeBuffers:
         if b < batch:
             self.seq_lens[b:].zero_()
         self.block_table[:b, : block_table.shape[1]].copy_(block_table, non_blocking=True)
+        if self.compress_ratio > 1:
+            self._load_state_slots(b, state_slots)
         return rows
+
+    def _load_state_slots(self, b: int, state_slots: torch.Tensor | None) -> None:
+        if state_slots is None:
+            self.state_slots[:b].copy_(torch.arange(b, device=self.state_slots.device))
+        else:
+            check_tensor("state_slots", state_slots, dtype=INDEX_DTYPES, shape=(b,))
+            if state_slots.device.type == "cpu":
+                bad = (state_slots < 0) | (state_slots >= self.num_state_slots)
+                if bool(bad.any()) or state_slots.unique().numel() != b:
+                    raise IndexerInputError(f"state_slots must be {b} distinct slots in [0, {self.num_state_slots}) "
+                                            f"(the captured compressor state's slots), got {state_slots.tolist()}")
+            self.state_slots[:b].copy_(state_slots, non_blocking=True)
+        self.state_slots[b:].fill_(-1)
 
     def _check_host_lengths(self, seq_lens: torch.Tensor, block_table: torch.Tensor) -> None:
         seq = seq_lens.long()
@@ -152,12 +184,12 @@ class DecodeGraph:
 
     @classmethod
     def capture(cls, indexer, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,
-                warmup: int = 2, *, pool=None) -> "DecodeGraph":
+                warmup: int = 2, *, pool=None, compressor_state=None) -> "DecodeGraph":
         """Warm up ``warmup`` (>= 1) eager steps on a side stream, then capture one step into a CUDA graph.
 
         ``max_context_len``: the logits width (keys), fixed for the graph's life; the block table gets
         ``ceil(max_context_len / 64)`` pages per request. ``pool``: a `torch.cuda.graph_pool_handle()` to share
-        memory with other graphs."""
+        memory with other graphs. ``compressor_state``: the layer's `CompressorState` (C4 indexers only)."""
         from .indexer import Indexer
 
         if not isinstance(indexer, Indexer):
@@ -174,10 +206,16 @@ class DecodeGraph:
         if indexer.cos_sin.device != device:
             raise IndexerInputError(f"the indexer's weights are on {indexer.cos_sin.device}, the cache on {device}")
         buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device)
+        if indexer.compressor is not None:
+            indexer._compression_step(buffers.derive(), compressor_state)  # the same checks, before capture
+            buffers.num_state_slots = compressor_state.num_slots
+        elif compressor_state is not None:
+            raise IndexerInputError("compressor_state is only for C4 indexers (compress_ratio 4)")
 
         def step() -> torch.Tensor:
             batch = buffers.derive()
-            return indexer.forward(buffers.x, buffers.q_lora, batch.positions, batch, cache)
+            return indexer.forward(buffers.x, buffers.q_lora, batch.positions, batch, cache,
+                                   compressor_state=compressor_state)
 
         with torch.cuda.device(device):
             # Warm-up on a side stream (the pattern torch.cuda.graphs documents): first resolutions, probes,
@@ -207,10 +245,11 @@ class DecodeGraph:
         return self.buffers.max_context_len
 
     def replay(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
-               block_table: torch.Tensor) -> torch.Tensor:
+               block_table: torch.Tensor, state_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the inputs into the static buffers and replay: int32 [b * next_n, topk] request-local positions,
         -1 padded (a view of the static output). ``seq_lens`` on the host are validated there (no device sync);
-        on the device they are trusted."""
-        rows = self.buffers.load(x, q_lora, seq_lens, block_table)
+        on the device they are trusted. ``state_slots`` [b]: C4 compressor state slot of each request
+        (default 0..b-1)."""
+        rows = self.buffers.load(x, q_lora, seq_lens, block_table, state_slots)
         self.graph.replay()
         return self.output[:rows]

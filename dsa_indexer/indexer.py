@@ -18,20 +18,24 @@ from torch import nn
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
 from .cache import IndexKCache
+from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, target_of_tensor
-from .pipeline import PIPELINE_OP
+from .pipeline import PIPELINE_OP, k_path
 from .quant import Fp8GroupLayout, QuantizedActivation
-from .rope import cos_sin_table
+from .rope import shared_cos_sin_table
 from .validate import IndexerInputError, tensor as check_tensor
 
 log = logging.getLogger("dsa_indexer")
 
-CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."
+CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."  # V3.2; each config names its own
 DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of fp32 prefill logits materialized at once
+
+
+COMPRESSOR_KEYS = ("wkv.weight", "wgate.weight", "ape", "norm.weight")  # under <prefix>compressor.
 
 
 def _version_of(t: torch.Tensor) -> int:
@@ -71,6 +75,16 @@ def quantize_block_fp8(weight: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> t
     return q.contiguous(), scale.contiguous()
 
 
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales (``float8_e8m0fnu``: a biased power-of-two exponent per byte, V4's ``wq_b.scale``) -> fp32
+    ``2 ** (byte - 127)``; the byte 255 is NaN."""
+    if scale.dtype != getattr(torch, "float8_e8m0fnu", None) and scale.dtype != torch.uint8:
+        return scale.float()
+    exponent = scale.view(torch.uint8).to(torch.int32) - 127
+    value = torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32), exponent)
+    return torch.where(exponent == 128, torch.full_like(value, float("nan")), value)
+
+
 def fn_to_fnuz(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reinterpret e4m3fn bits as e4m3fnuz (which reads every code as half the value) and double the scale.
 
@@ -84,10 +98,11 @@ def fn_to_fnuz(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor,
 class Indexer(nn.Module):
     """The DeepSeek lightning indexer of one layer.
 
-    ``forward(x, q_lora, positions, batch, cache, q_lora_quant=None)`` -> int32 [T, topk] request-local key
-    positions (compressed entry indices for V4's C4 indexer), -1 padded; `to_physical_slots` maps them to cache
-    slots. ``q_lora_quant`` is attention's fp8 copy of ``q_lora`` (see `dsa_indexer.quant`), reused for ``wq_b``
-    when its layout fits.
+    ``forward(x, q_lora, positions, batch, cache, q_lora_quant=None, compressor_state=None)`` -> int32 [T, topk]
+    request-local key positions (compressed entry indices for V4's C4 indexer), -1 padded; `to_physical_slots` maps
+    them to cache slots. ``q_lora_quant`` is attention's fp8 copy of ``q_lora`` (see `dsa_indexer.quant`), reused
+    for ``wq_b`` when its layout fits. A C4 indexer owns its key `Compressor` and needs ``compressor_state``
+    (`CompressorState`): each step compresses and stores the entries its tokens complete.
     """
 
     def __init__(self, config: IndexerConfig, *, device: torch.device | str | None = None,
@@ -111,10 +126,9 @@ class Indexer(nn.Module):
             self.k_norm: nn.LayerNorm | None = nn.LayerNorm(config.head_dim, eps=config.norm_eps, device=device,
                                                             dtype=dtype)
         else:
-            self.wk = None  # V4: keys are produced by the model's compressor
+            self.wk = None  # V4: keys are pooled by the indexer's compressor
             self.k_norm = None
-        self.register_buffer("cos_sin", cos_sin_table(config.rope_dim, config.max_position, config.rope_theta,
-                                                      config.yarn, device), persistent=False)
+        self.compressor: Compressor | None = Compressor(config, device) if config.compress_ratio > 1 else None
         self.requires_grad_(False)  # an inference module: its output is integer indices
         self.logits_budget_bytes = logits_budget_bytes
         self.reuse_stats: Counter[str] = Counter()
@@ -152,17 +166,31 @@ class Indexer(nn.Module):
             self.wk.weight.copy_(rand(cfg.head_dim, cfg.hidden_size, std=cfg.hidden_size ** -0.5))
             self.k_norm.weight.copy_(1 + 0.1 * rand(cfg.head_dim, std=1.0))
             self.k_norm.bias.copy_(0.1 * rand(cfg.head_dim, std=1.0))
+        if self.compressor is not None:
+            self.compressor.init_random(gen)
         return self
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        """The RoPE table ``[max_position, rope_dim]`` fp32 of this config on this indexer's device, shared by
+        every layer (`dsa_indexer.rope.shared_cos_sin_table`; built on first use)."""
+        cfg = self.config
+        return shared_cos_sin_table(cfg.rope_dim, cfg.max_position, cfg.rope_theta, cfg.yarn,
+                                    self.weights_proj.weight.device)
 
     @torch.no_grad()
     def load_checkpoint(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> "Indexer":
-        """Load DeepSeek checkpoint tensors (keys ``<prefix>wq_b.weight`` ...). A ``wq_b.weight_scale_inv`` makes
-        ``wq_b`` block-fp8; an fp8 ``wk`` with its scale is dequantized (it is tiny). Missing or extra keys and
-        shape mismatches raise, naming the key."""
+        """Load DeepSeek checkpoint tensors (keys ``<prefix>wq_b.weight`` ...). A block scale for ``wq_b`` makes it
+        block-fp8: ``wq_b.weight_scale_inv`` (fp32, V3.2 / HF) or ``wq_b.scale`` (UE8M0, V4's inference format).
+        An fp8 ``wk`` with its scale is dequantized (it is tiny). A C4 indexer also loads its compressor
+        (``compressor.{wkv.weight, wgate.weight, ape, norm.weight}``). Missing or extra keys and shape mismatches
+        raise, naming the key."""
         wanted = ["wq_b.weight", "weights_proj.weight"]
         if self.wk is not None:
             wanted += ["wk.weight", "k_norm.weight", "k_norm.bias"]
-        optional = {"wq_b.weight_scale_inv", "wk.weight_scale_inv"}
+        if self.compressor is not None:
+            wanted += [f"compressor.{name}" for name in COMPRESSOR_KEYS]
+        optional = {"wq_b.weight_scale_inv", "wq_b.scale", "wk.weight_scale_inv"}
         local = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
         missing = [k for k in wanted if k not in local]
         if missing:
@@ -170,21 +198,24 @@ class Indexer(nn.Module):
         extra = sorted(set(local) - set(wanted) - optional)
         if extra:
             raise KeyError(f"unexpected checkpoint keys: {', '.join(prefix + k for k in extra)}")
+        if "wq_b.weight_scale_inv" in local and "wq_b.scale" in local:
+            raise KeyError(f"checkpoint has both {prefix}wq_b.weight_scale_inv and {prefix}wq_b.scale; expected one")
         cfg = self.config
-        device = self.cos_sin.device
+        device = self.weights_proj.weight.device
         wq = local["wq_b.weight"]
         expect = (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank)
         if tuple(wq.shape) != expect:
             raise ValueError(f"{prefix}wq_b.weight has shape {list(wq.shape)}, expected {list(expect)}")
-        if "wq_b.weight_scale_inv" in local:
+        scale_key = "wq_b.weight_scale_inv" if "wq_b.weight_scale_inv" in local else "wq_b.scale"
+        if scale_key in local:
             layer = BlockFp8Linear(cfg.q_lora_rank, expect[0], device, self.fp8_dtype)
-            scale = local["wq_b.weight_scale_inv"].float()
+            scale = e8m0_to_float(local[scale_key])
+            if tuple(scale.shape) != tuple(layer.weight_scale_inv.shape):
+                raise ValueError(f"{prefix}{scale_key} has shape {list(scale.shape)}, expected "
+                                 f"{list(layer.weight_scale_inv.shape)}")
             if wq.dtype == torch.float8_e4m3fn and self.fp8_dtype == torch.float8_e4m3fnuz:
                 wq, scale = fn_to_fnuz(wq, scale)
             layer.weight.copy_(wq.to(device))
-            if tuple(scale.shape) != tuple(layer.weight_scale_inv.shape):
-                raise ValueError(f"{prefix}wq_b.weight_scale_inv has shape {list(scale.shape)}, expected "
-                                 f"{list(layer.weight_scale_inv.shape)}")
             layer.weight_scale_inv.copy_(scale)
             self.wq_b = layer
         else:
@@ -208,29 +239,45 @@ class Indexer(nn.Module):
             put("wk.weight", self.wk.weight, wk)
             put("k_norm.weight", self.k_norm.weight, local["k_norm.weight"])
             put("k_norm.bias", self.k_norm.bias, local["k_norm.bias"])
+        if self.compressor is not None:
+            params = dict(self.compressor.named_parameters())
+            for name in COMPRESSOR_KEYS:
+                put(f"compressor.{name}", params[name], local[f"compressor.{name}"])
         return self
 
     @classmethod
     def from_safetensors(cls, path: str | Path, layer: int, config: IndexerConfig | None = None, **kwargs
                          ) -> "Indexer":
-        """Build the indexer of ``layer`` from a safetensors file (or a folder of them) of a DeepSeek checkpoint."""
+        """Build the indexer of ``layer`` from a safetensors file (or a folder of them) of a DeepSeek checkpoint.
+
+        Keys are read under ``config.checkpoint_prefix``: ``model.layers.{L}.self_attn.indexer.`` (V3.2, HF names)
+        or ``layers.{L}.attn.indexer.`` (V4's inference names). Without ``config`` the model is recognized by which
+        prefix the file holds (V3.2 or V4-Flash sizes)."""
         from safetensors import safe_open
 
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
             raise FileNotFoundError(f"no safetensors file at {path}")
-        prefix = CHECKPOINT_PREFIX.format(layer=layer)
+        candidates = [config] if config is not None else [IndexerConfig.deepseek_v32(),
+                                                          IndexerConfig.deepseek_v4_flash()]
+        prefixes = [c.checkpoint_prefix.format(layer=layer) for c in candidates]
         state: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():
-                    if key.startswith(prefix):
+                    if key.startswith(tuple(prefixes)):
                         state[key] = handle.get_tensor(key)
-        if not state:
-            raise KeyError(f"no tensors under {prefix!r} in {path}")
-        config = config or IndexerConfig.deepseek_v32()
-        indexer = cls(config, wq_b_fp8="{}wq_b.weight_scale_inv".format(prefix) in state, **kwargs)
+        found = [c for c, p in zip(candidates, prefixes) if any(k.startswith(p) for k in state)]
+        if not found:
+            raise KeyError(f"no tensors under {' or '.join(map(repr, prefixes))} in {path}")
+        if len(found) > 1:
+            raise KeyError(f"{path} holds tensors under both {prefixes[0]!r} and {prefixes[1]!r}; pass config=")
+        config = found[0]
+        prefix = config.checkpoint_prefix.format(layer=layer)
+        state = {k: v for k, v in state.items() if k.startswith(prefix)}
+        block_fp8 = f"{prefix}wq_b.weight_scale_inv" in state or f"{prefix}wq_b.scale" in state
+        indexer = cls(config, wq_b_fp8=block_fp8, **kwargs)
         return indexer.load_checkpoint(state, prefix)
 
     def x_projection_weight(self) -> torch.Tensor:
@@ -301,19 +348,60 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"q_lora_quant must be a QuantizedActivation, got {type(q_lora_quant).__name__}")
         return t
 
+    def _compression_step(self, batch: DecodeBatch | PrefillBatch, state) -> CompressionStep:
+        """Check ``compressor_state`` against this C4 step and bundle what the compressor needs."""
+        if state is None:
+            raise IndexerInputError(
+                "compressor_state is required for a C4 indexer (compress_ratio 4): each step compresses the entries "
+                "its tokens complete into the cache. Allocate one per layer with CompressorState.allocate(num_slots, "
+                "config, device) and keep it with the cache")
+        if not isinstance(state, CompressorState):
+            raise IndexerInputError(f"compressor_state must be a CompressorState, got {type(state).__name__}")
+        if state.device != batch.positions.device:
+            raise IndexerInputError(f"compressor_state is on {state.device} but the batch is on {batch.positions.device}")
+        if tuple(state.kv.shape[1:]) != (8, 2 * self.config.head_dim):
+            raise IndexerInputError(f"compressor_state holds [{', '.join(map(str, state.kv.shape[1:]))}] per slot, "
+                                    f"this config needs [8, {2 * self.config.head_dim}]")
+        if batch.state_slot is None or batch.compress_rows is None:
+            raise IndexerInputError("batch has no compressor metadata: build it with DecodeBatch.build / "
+                                    "PrefillBatch.build(compress_ratio=4)")
+        if batch.max_state_slot >= state.num_slots:
+            raise IndexerInputError(f"batch uses compressor state slot {batch.max_state_slot} but compressor_state "
+                                    f"has {state.num_slots} slots")
+        return CompressionStep(state, batch.positions, batch.row_request, batch.state_slot, batch.compress_rows,
+                               batch.slot_mapping, batch.block_table.shape[0])
+
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
-                q_lora_quant: QuantizedActivation | None = None) -> torch.Tensor:
+                q_lora_quant: QuantizedActivation | None = None,
+                compressor_state: CompressorState | None = None) -> torch.Tensor:
         self._check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
         decode = isinstance(batch, DecodeBatch)
         res = self.pipeline_resolution(x, decode, q_lora_quant is not None)
         self.last_pipeline = res
         strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
-        slots = batch.slot_mapping if self.wk is not None else None
-        q_fp8, weights = strategy(self, x, q_lora, positions, slots, cache.data, q_lora_quant)
+        key_store = (batch.slot_mapping if self.compressor is None
+                     else self._compression_step(batch, compressor_state))
+        q_fp8, weights = strategy(self, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         if decode:
             return self._score_decode(q_fp8, weights, batch, cache)
         return self._score_prefill(q_fp8, weights, batch, cache)
+
+    @torch.no_grad()
+    def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
+                   compressor_state: CompressorState | None = None) -> None:
+        """Store the keys of ``batch``'s tokens ``x`` [T, hidden] without scoring any query (what a model does for
+        context it only needs to remember, e.g. filling a cache in chunks). V3.2: wk, norm, RoPE, Hadamard, fp8.
+        C4: the compressor's step (entries completed by these tokens; the state rolls forward)."""
+        check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+        if x.shape != (batch.num_tokens, self.config.hidden_size):
+            raise IndexerInputError(f"x must be [{batch.num_tokens}, {self.config.hidden_size}] (the batch's tokens), "
+                                    f"got {list(x.shape)}")
+        if not isinstance(cache, IndexKCache):
+            raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
+        key_store = (batch.slot_mapping if self.compressor is None
+                     else self._compression_step(batch, compressor_state))
+        k_path(self, x, batch.positions, key_store, cache.data)
 
     def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:
         """Rows that see <= topk keys need no logits: the answer is every visible key, then -1."""

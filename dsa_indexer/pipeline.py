@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
+from .compressor import CompressionStep
 from .quant import QuantizedActivation, reuse_rejection
 
 if TYPE_CHECKING:
@@ -27,9 +28,10 @@ PIPELINE_OP = "indexer_pipeline"
 
 class PipelineStrategy(Protocol):
     def __call__(self, indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor | None, kv_cache: torch.Tensor,
+                 key_store: torch.Tensor | CompressionStep | None, kv_cache: torch.Tensor,
                  q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the q and k paths; store k in ``kv_cache``; return (q_fp8 [T, H, D], weights [T, H] f32)."""
+        """Run the q and k paths; store k in ``kv_cache``; return (q_fp8 [T, H, D], weights [T, H] f32).
+        ``key_store`` is passed to `k_path` untouched: each row's cache slot (V3.2) or the compressor's step (C4)."""
 
 
 def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedActivation | None) -> torch.Tensor:
@@ -75,13 +77,19 @@ def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions:
                           interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype)
 
 
-def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor | None,
-           kv_cache: torch.Tensor, k: torch.Tensor | None = None) -> None:
-    """Project, normalize, rotate, quantize and store this step's keys (V3.2). V4 keys come from the compressor.
-    ``k`` is ``wk(x)`` when the caller already has it (`project_x`)."""
-    if slot_mapping is None or indexer.wk is None:
+def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
+           key_store: torch.Tensor | CompressionStep | None, kv_cache: torch.Tensor, k: torch.Tensor | None = None
+           ) -> None:
+    """Store this step's keys. V3.2 (``key_store`` = each row's cache slot, -1: none): project, normalize, rotate,
+    quantize and store; ``k`` is ``wk(x)`` when the caller already has it (`project_x`). V4 C4 (``key_store`` a
+    `CompressionStep`): the indexer's compressor pools the entries this step completes and stores them."""
+    if key_store is None:
         return
     cfg = indexer.config
+    if isinstance(key_store, CompressionStep):
+        indexer.compressor.step(x, key_store, kv_cache, indexer.cos_sin, indexer.fp8_dtype)
+        return
+    slot_mapping = key_store
     if k is None:
         k = F.linear(x, indexer.wk.weight)
     norm_w = indexer.k_norm.weight if indexer.k_norm is not None else None
@@ -91,14 +99,13 @@ def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor, slot_ma
                          fp8_dtype=indexer.fp8_dtype, norm=cfg.k_norm)
 
 
-def single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant):
+def single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
     """Everything in order on the current stream: the x projections, k (a decode token must see itself), q."""
     if not indexer.fuse_x_projections:
-        k_path(indexer, x, positions, slot_mapping, kv_cache)
+        k_path(indexer, x, positions, key_store, kv_cache)
         return q_path(indexer, x, q_lora, positions, q_lora_quant)
     head_weights, k = project_x(indexer, x)
-    if k is not None:
-        k_path(indexer, x, positions, slot_mapping, kv_cache, k)
+    k_path(indexer, x, positions, key_store, kv_cache, k)
     return q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
 
 

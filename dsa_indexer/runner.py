@@ -17,13 +17,14 @@ import torch
 
 from .batch import DecodeBatch, PrefillBatch
 from .cache import PAGE_SIZE, IndexKCache
+from .compressor import CompressorState
 from .config import MODELS
 from .dispatch.plugins import default_registry
 from .dispatch.target import detect_target
 from .indexer import Indexer
 from . import ops
 from .ops import OPS
-from .pipeline import PIPELINE_OP, k_path
+from .pipeline import PIPELINE_OP
 
 
 @dataclass
@@ -58,49 +59,17 @@ class _Clock:
         return out
 
 
-class _IndexerKeys:
-    """V3.2: the indexer projects its own keys (the k path); a decode or prefill step stores its keys itself."""
-
-    def __init__(self, indexer: Indexer, cache: IndexKCache, block_table: torch.Tensor, seed: int) -> None:
-        self.indexer, self.cache, self.block_table = indexer, cache, block_table
-
-    def fill(self, request: int, x: torch.Tensor) -> None:
-        """Store the keys of a request's first ``len(x)`` tokens (what earlier steps would have written)."""
-        device = self.cache.device
-        for start in range(0, x.shape[0], 4096):
-            chunk = x[start:start + 4096].to(device)
-            pos = torch.arange(start, start + chunk.shape[0], device=device)
-            slots = self.block_table[request].to(device).long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-            k_path(self.indexer, chunk, pos, slots, self.cache.data)
-
-    def extend(self, request: int, x_new: torch.Tensor, length_before: int) -> None:
-        """New tokens' keys are stored by Indexer.forward itself."""
-
-
-class _CompressedKeys:
-    """V4 C4: keys are compressed entries made by the model's compressor (here the reference one)."""
-
-    def __init__(self, indexer: Indexer, cache: IndexKCache, block_table: torch.Tensor, seed: int) -> None:
-        from .compressor import ReferenceCompressor
-
-        self.indexer, self.cache, self.block_table = indexer, cache, block_table
-        self.compressor = ReferenceCompressor(indexer.config, device=cache.device).init_random(seed + 1)
-        self.history: dict[int, torch.Tensor] = {}
-
-    def fill(self, request: int, x: torch.Tensor) -> None:
-        self.history[request] = x[-2 * self.compressor.window:].to(self.cache.device)
-        self._store(request, x.to(self.cache.device), 0, 0)
-
-    def extend(self, request: int, x_new: torch.Tensor, length_before: int) -> None:
-        tail = torch.cat([self.history[request], x_new.to(self.cache.device)])
-        start = length_before + x_new.shape[0] - tail.shape[0]
-        self.history[request] = tail[-2 * self.compressor.window:]
-        self._store(request, tail, length_before // self.compressor.ratio, start)
-
-    def _store(self, request: int, x: torch.Tensor, first_entry: int, start: int) -> None:
-        entries = self.compressor(x, first_entry, start)
-        self.compressor.store(entries, first_entry, self.block_table[request], self.indexer.cos_sin,
-                              self.cache.data, self.indexer.fp8_dtype)
+def _fill_context(indexer: Indexer, cache: IndexKCache, block_table: torch.Tensor, request: int, x: torch.Tensor,
+                  compressor_state: CompressorState | None) -> None:
+    """Store the keys of a request's first ``len(x)`` tokens (what earlier steps would have written), in chunks:
+    V3.2 keys per token; C4 entries through the compressor, whose state then holds the request's last tokens."""
+    device = cache.device
+    ratio = indexer.config.compress_ratio
+    for start in range(0, x.shape[0], 4096):
+        chunk = x[start:start + 4096].to(device)
+        batch = PrefillBatch.build([start], [chunk.shape[0]], block_table[request:request + 1], device=device,
+                                   compress_ratio=ratio, state_slots=[request])
+        indexer.store_keys(chunk, batch, cache, compressor_state=compressor_state)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,7 +108,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     cache = IndexKCache.allocate(num_pages, device, indexer.fp8_dtype)
     # A shuffled page assignment, so a kernel that ignores the block table cannot pass.
     block_table = torch.randperm(num_pages, generator=gen).to(torch.int32).view(batch + 1, pages_per_req)
-    keys = (_CompressedKeys if ratio > 1 else _IndexerKeys)(indexer, cache, block_table, settings.seed)
+    state = CompressorState.allocate(batch + 1, cfg, device) if ratio > 1 else None
     q_norm = (1 + 0.1 * torch.randn(cfg.q_lora_rank, generator=gen)).to(device, torch.bfloat16)
 
     def random_rows(n: int, width: int) -> torch.Tensor:
@@ -155,29 +124,30 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
 
     def fill_all():
         for b, length in enumerate(seq_lens + [context]):
-            keys.fill(b, torch.randn(length, cfg.hidden_size, generator=gen).to(torch.bfloat16))
+            _fill_context(indexer, cache, block_table, b, torch.randn(length, cfg.hidden_size, generator=gen
+                                                                      ).to(torch.bfloat16), state)
 
     clock.time("fill context keys", fill_all)
     bar = progress(steps, "decode steps") if progress else None
     for step in range(steps):
         x, q_lora, q_lora_quant = step_inputs(batch * next_n)
-        for b in range(batch):
-            keys.extend(b, x[b * next_n:(b + 1) * next_n], seq_lens[b])
         seq_lens = [s + next_n for s in seq_lens]
         db = DecodeBatch.build(seq_lens, block_table[:batch], next_n=next_n, num_cache_pages=num_pages,
                                device=device, compress_ratio=ratio)
         decode_inputs = (x, q_lora, q_lora_quant, db)
+        # The verification re-runs the last step from the state it started from.
+        state_before_step = _clone_state(state) if settings.verify and step == steps - 1 else None
         decode_out = clock.time("decode step", lambda: indexer(x, q_lora, db.positions, db, cache,
-                                                               q_lora_quant=q_lora_quant))
+                                                               q_lora_quant=q_lora_quant, compressor_state=state))
         if bar:
             bar.update(step + 1)
     # Prefill: one request extends a cached prefix of `context` tokens by `prefill_new` tokens.
     xp, qp, qp_quant = step_inputs(prefill_new)
-    keys.extend(batch, xp, context)
     pb = PrefillBatch.build([context], [prefill_new], block_table[batch:], num_cache_pages=num_pages, device=device,
-                            compress_ratio=ratio)
+                            compress_ratio=ratio, state_slots=[batch])
     cache_before_prefill = cache.data.clone() if settings.verify else None
-    prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache, q_lora_quant=qp_quant))
+    prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache, q_lora_quant=qp_quant,
+                                                        compressor_state=state))
 
     registry = default_registry()
     used: dict[str, set] = {}
@@ -198,13 +168,17 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     for name, entry in report["timings_ms"].items():
         print(f"  {name:<22} {entry['median']:10.3f}  (n={entry['count']})")
     if settings.verify:
-        report["verified"] = _verify(indexer, cache, cache_before_prefill, decode_inputs, decode_out,
-                                     (xp, qp, qp_quant, pb), prefill_out, report)
+        report["verified"] = _verify(indexer, cache, cache_before_prefill, state_before_step, decode_inputs,
+                                     decode_out, (xp, qp, qp_quant, pb), prefill_out, report)
     return report
 
 
-def _verify(indexer, cache, cache_before_prefill, decode_inputs, decode_out, prefill_inputs, prefill_out,
-            report) -> bool:
+def _clone_state(state: CompressorState | None) -> CompressorState | None:
+    return None if state is None else CompressorState(state.kv.clone(), state.score.clone())
+
+
+def _verify(indexer, cache, cache_before_prefill, state_before_step, decode_inputs, decode_out, prefill_inputs,
+            prefill_out, report) -> bool:
     """Re-run the last decode step and the prefill with every op forced to the pure-torch reference."""
     registry = default_registry()
     forced = [op for op in OPS] + [PIPELINE_OP]
@@ -215,9 +189,12 @@ def _verify(indexer, cache, cache_before_prefill, decode_inputs, decode_out, pre
         for op in forced:
             impl = f"{op}.reference.torch" if op != PIPELINE_OP else f"{op}.generic.single_stream"
             registry.force(op, impl)
-        # The decode step's own keys are already in the cache; storing them again writes the same bytes.
-        ref_decode = indexer(x, q_lora, db.positions, db, ref_cache, q_lora_quant=q_lora_quant)
-        ref_prefill = indexer(xp, qp, pb.positions, pb, ref_cache, q_lora_quant=qp_quant)
+        # The decode step's own keys are already in the cache; the reference stores them again (its own bytes).
+        # The C4 state replays from before the last decode step; that step leaves it as the prefill found it.
+        ref_decode = indexer(x, q_lora, db.positions, db, ref_cache, q_lora_quant=q_lora_quant,
+                             compressor_state=state_before_step)
+        ref_prefill = indexer(xp, qp, pb.positions, pb, ref_cache, q_lora_quant=qp_quant,
+                              compressor_state=state_before_step)
     finally:
         for op in forced:
             registry.force(op, None)

@@ -7,6 +7,7 @@ import torch
 from . import ops
 from .batch import DecodeBatch
 from .cache import PAGE_SIZE, IndexKCache, page_views
+from .compressor import CompressorState
 from .config import IndexerConfig
 from .indexer import Indexer
 
@@ -22,7 +23,8 @@ def random_cache(num_pages: int, device, fp8_dtype=torch.float8_e4m3fn, seed: in
 
 
 def decode_step(cfg: IndexerConfig, indexer: Indexer, batch: int, context: int, device, seed: int = 0):
-    """(x, q_lora, q_lora_quant, DecodeBatch, cache) of one synthetic decode step over ``context`` tokens."""
+    """(x, q_lora, q_lora_quant, DecodeBatch, cache, compressor_state) of one synthetic decode step over
+    ``context`` tokens; the compressor state (C4 only, else None) is fresh: the step pools its own tokens."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     keys = context // cfg.compress_ratio + 1
     pages = -(-keys // PAGE_SIZE)
@@ -34,7 +36,8 @@ def decode_step(cfg: IndexerConfig, indexer: Indexer, batch: int, context: int, 
     q_a = (torch.randn(batch, cfg.q_lora_rank, generator=gen) * 2).to(device, torch.bfloat16)
     norm_w = (torch.rand(cfg.q_lora_rank, generator=gen) + 0.5).to(device, torch.bfloat16)
     q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(q_a, norm_w, 1e-6)
-    return x, q_lora, q_lora_quant, db, cache
+    state = CompressorState.allocate(batch, cfg, device) if cfg.compress_ratio > 1 else None
+    return x, q_lora, q_lora_quant, db, cache, state
 
 
 def real_decode_logits(batch: int, context: int, device, seed: int = 0, indexer: Indexer | None = None,

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from dsa_indexer import (DecodeBatch, Fp8GroupLayout, IndexerConfig, IndexKCache, Indexer, PrefillBatch,
+from dsa_indexer import (CompressorState, DecodeBatch, Fp8GroupLayout, IndexerConfig, IndexKCache, Indexer, PrefillBatch,
                          QuantizedActivation, ops)
 from dsa_indexer.quant import PRODUCER_ROUNDED
 
@@ -41,7 +41,9 @@ def _inputs(cfg, rows):
 
 def _run(indexer, cache, batch, x, q_lora, quant):
     work = IndexKCache(cache.data.clone(), cache.fp8_dtype)
-    return indexer(x, q_lora, batch.positions, batch, work, q_lora_quant=quant)
+    # C4: a fresh compressor state per run, so both runs store the same entries.
+    state = CompressorState.allocate(2, indexer.config) if indexer.compressor is not None else None
+    return indexer(x, q_lora, batch.positions, batch, work, q_lora_quant=quant, compressor_state=state)
 
 
 @pytest.mark.parametrize("cfg", [V32_TINY, V4_TINY], ids=["v3.2", "v4-c4"])

@@ -161,7 +161,7 @@ def _correction_dim(rotations: float, dim: int = 64, orig: int = 4096, theta: fl
 
 def test_yarn_frequencies_deepseek_v3():
     dim, theta = 64, 10000.0
-    freqs = rope_frequencies(dim, theta, YARN_DS_V3, 163840)
+    freqs = rope_frequencies(dim, theta, YARN_DS_V3)
     assert freqs.shape == (32,) and freqs.dtype == torch.float64
     base = inv_freqs64(dim, theta)
     low = max(math.floor(_correction_dim(32.0)), 0)
@@ -178,16 +178,13 @@ def test_yarn_frequencies_deepseek_v3():
     ramp = ((i - low) / (high - low)).clamp(0, 1)
     expect = base / 40 * ramp + base * (1 - ramp)
     assert torch.allclose(freqs, expect, rtol=1e-12, atol=0)
-    # No scaling when the context fits the original window.
-    assert torch.allclose(rope_frequencies(dim, theta, YARN_DS_V3, 4096), base, rtol=1e-12, atol=0)
-    # The table built with YaRN uses these frequencies.
-    table = cos_sin_table(dim, 3000, theta, YARN_DS_V3)  # 3000 <= 4096: unscaled
-    assert (table.double() - torch.cat(cos_sin64(torch.arange(3000), base), 1)).abs().max().item() < 1e-7
-    table = cos_sin_table(dim, 5000, theta, YARN_DS_V3)  # 5000 > 4096: scaled
-    i5000 = rope_frequencies(dim, theta, YARN_DS_V3, 5000)
-    assert torch.allclose(i5000, expect, rtol=1e-12, atol=0)  # the ramp does not depend on max_position
-    ref = torch.cat(cos_sin64(torch.arange(5000), expect), 1)
-    assert (table.double() - ref).abs().max().item() < 1e-7  # fp32 rounding of values in [-1, 1]
+    # The frequencies are the model's, not the table's: a table shorter than the original window is scaled too
+    # (DeepSeek-V4's rule, original_seq_len > 0; V3.2's max_seq_len 163840 > 4096 gives the same).
+    for rows in (3000, 5000):
+        table = cos_sin_table(dim, rows, theta, YARN_DS_V3)
+        ref = torch.cat(cos_sin64(torch.arange(rows), expect), 1)
+        assert (table.double() - ref).abs().max().item() < 1e-7  # fp32 rounding of values in [-1, 1]
+    assert torch.allclose(rope_frequencies(dim, theta, None), base, rtol=1e-12, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -30,13 +30,16 @@ def _kernels(fn) -> Counter:
 def test_reuse_is_bit_identical_and_removes_one_quant_kernel(name):
     cfg = CONFIGS[name]
     indexer = Indexer(cfg, device="cuda").init_random(3)
-    x, q_lora, quant, db, cache = decode_step(cfg, indexer, batch=8, context=12000, device="cuda", seed=4)
-    with_reuse = indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant)
-    without = indexer(x, q_lora, db.positions, db, cache)
+    x, q_lora, quant, db, cache, state = decode_step(cfg, indexer, batch=8, context=12000, device="cuda", seed=4)
+    # One decode token per request reads window positions p-7..p-1 from the state and writes p: re-running the
+    # step sees the same state.
+    with_reuse = indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant, compressor_state=state)
+    without = indexer(x, q_lora, db.positions, db, cache, compressor_state=state)
     assert torch.equal(with_reuse, without)
     assert indexer.reuse_stats["reused"] == 1
-    launched_with = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant))
-    launched_without = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache))
+    launched_with = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant,
+                                             compressor_state=state))
+    launched_without = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, compressor_state=state))
     extra = launched_without - launched_with
     assert sum(extra.values()) == 1 and not (launched_with - launched_without), (extra, launched_with)
     (kernel,) = extra

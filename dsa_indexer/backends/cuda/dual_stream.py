@@ -5,9 +5,10 @@ the q path (weights_proj, wq_b, q prologue) and the k path (wk, k prologue + cac
 other until the logits. Schedule (indexer spec, section 5), issued in this order:
 
     main: pipeline.project_x(...)    # [weights_proj; wk] as one GEMM (Indexer.fuse_x_projections, the default)
-    alt.wait_stream(main)            # alt sees x, k, positions, slot_mapping and the cache as main left them
+    alt.wait_stream(main)            # alt sees x, k, positions, the key store and the cache as main left them
     main: pipeline.q_path(...)       # wq_b GEMM, RoPE + Hadamard + fp8 quant of q
     alt:  pipeline.k_path(...)       # k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
+                                     # (V4 C4: the compressor's step, which also rolls its state forward)
     main.wait_stream(alt)            # the logits that follow on main see this step's keys
 
 With ``fuse_x_projections=False`` the two projections run as separate GEMMs, weights_proj on main and wk on alt.
@@ -16,8 +17,8 @@ The steps are `pipeline.q_path` and `pipeline.k_path` themselves, so every kerne
 `single_stream` and the result is bit-identical. One alt stream per device, created on first use and reused, so a
 captured CUDA graph holds exactly two streams whatever the number of layers.
 
-Memory safety without ``record_stream``: the tensors alt reads (x, positions, slot_mapping, the cache, the
-weights) belong to the caller and stay alive until this function returns, which is after ``main.wait_stream(alt)``;
+Memory safety without ``record_stream``: the tensors alt reads or writes (x, positions, the key store: slots or
+the C4 compressor's step and its state, the cache, the weights) belong to the caller and stay alive until this function returns, which is after ``main.wait_stream(alt)``;
 any later reuse of their memory by main is ordered after alt's work. Temporaries the k path allocates on alt are
 freed back to alt's pool and reused only by later work on alt; nothing made on alt is returned to main.
 
@@ -134,10 +135,10 @@ def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
 
 
 def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager] | None = None) -> Callable:
-    def dual_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant):
+    def dual_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
         """q path on the current stream, k path on the device's alt stream, joined before returning."""
         if x.device.type != "cuda":  # a simulated cuda target on host tensors: nothing to overlap
-            return single_stream(indexer, x, q_lora, positions, slot_mapping, kv_cache, q_lora_quant)
+            return single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
         alt = alt_stream(x.device)
         head_weights = k = None
@@ -147,7 +148,7 @@ def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager]
         with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
             q_fp8, weights = q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
         with torch.cuda.stream(alt):
-            k_path(indexer, x, positions, slot_mapping, kv_cache, k)
+            k_path(indexer, x, positions, key_store, kv_cache, k)
         main.wait_stream(alt)
         return q_fp8, weights
 
