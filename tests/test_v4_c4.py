@@ -70,6 +70,9 @@ def test_compressor_matches_the_float64_oracle():
     # Both round the pooled value to bf16 before the norm; an fp32 vs float64 sum can land on either side of one
     # bf16 rounding, and the output is bf16 again: 2 bf16 ulps (2**-7 relative) cover it.
     assert torch.allclose(got.double(), want, rtol=2 ** -7, atol=2 ** -7), (got.double() - want).abs().max()
+    # The vectorized oracle the GPU tests use is the loop oracle: float64 both, so only summation order differs.
+    vec = v4_oracle.compress_vectorized(x, comp.wkv.weight, comp.wgate.weight, comp.ape, comp.norm.weight)
+    assert torch.allclose(vec, want, rtol=1e-12, atol=1e-12)
     # Entry 0 has no previous group: changing the first group's part-A weights cannot change it.
     comp2 = _compressor(seed)
     comp2.wkv.weight[:128] += 1.0

@@ -79,8 +79,8 @@ def c4_logits(q_lora: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, weights
     """[L, E] float64 logits of every query over every entry (no mask)."""
     length, d = q_lora.shape[0], entries.shape[1]
     q = (q_lora.double() @ wq_b.double().T).view(length, n_heads, d)
-    q = rope_trailing_pairs(q, torch.arange(length), inv_freqs)
-    k = rope_trailing_pairs(entries, torch.arange(entries.shape[0]) * 4, inv_freqs)
+    q = rope_trailing_pairs(q, torch.arange(length, device=q.device), inv_freqs)
+    k = rope_trailing_pairs(entries, torch.arange(entries.shape[0], device=q.device) * 4, inv_freqs)
     w = x.double() @ weights_proj.double().T / math.sqrt(n_heads * d)
     return torch.einsum("ths,th->ts", torch.einsum("thd,sd->ths", q, k).clamp_min(0), w)
 
@@ -88,3 +88,21 @@ def c4_logits(q_lora: torch.Tensor, x: torch.Tensor, wq_b: torch.Tensor, weights
 def topk_of_row(logits_row: torch.Tensor, visible: int, k: int) -> list[int]:
     """The k best of entries [0, visible): larger logit first, lower index on ties."""
     return sorted(range(visible), key=lambda j: (-logits_row[j].item(), j))[:k]
+
+
+def compress_vectorized(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`compress` for long prompts (GPU tests): the same float64 math as whole-tensor ops, checked equal to the
+    loop form on CPU. Tokens are grouped by 4; group j - 1 gives part A, group j part B."""
+    d = wkv.shape[0] // 2
+    n = x.shape[0] // 4
+    xd = x.double()[: 4 * n]
+    kv = (xd @ wkv.double().T).view(n, 4, 2 * d)
+    gate = (xd @ wgate.double().T).view(n, 4, 2 * d) + ape.double()[None]
+    prev_kv = torch.cat([torch.zeros_like(kv[:1, :, :d]), kv[:-1, :, :d]])
+    prev_gate = torch.cat([torch.full_like(gate[:1, :, :d], float("-inf")), gate[:-1, :, :d]])
+    values = torch.cat([prev_kv, kv[:, :, d:]], dim=1)  # [n, 8, d]
+    scores = torch.cat([prev_gate, gate[:, :, d:]], dim=1)
+    pooled = (torch.softmax(scores, dim=1) * values).sum(dim=1)
+    rounded = pooled.to(torch.bfloat16).double()
+    return rounded / torch.sqrt((rounded ** 2).mean(dim=-1, keepdim=True) + eps) * norm_weight.double()
