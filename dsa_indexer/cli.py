@@ -28,6 +28,7 @@ DEFAULT_PROBLEMS = {
     "quant_fp8_groups": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
     "rmsnorm_quant_fp8": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
     "indexer_pipeline": dict(tokens=32, decode=True, q_lora_quant=False),
+    "c4_compress_pool": dict(dim=128, window=8),
 }
 
 

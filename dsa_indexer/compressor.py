@@ -11,10 +11,12 @@ the same checkpoint tensors the same way; docs/v4.md says what was checked again
   -inf) weights the kv values; the fp32 sum is rounded to bf16, then RMSNorm (fp32 math, bf16 out).
 - The entry is complete when its last token 4j + 3 exists, so a decode step compresses when (p + 1) % 4 == 0, and a
   query at position t sees entries j < (t + 1) // 4. The key gets RoPE at position 4j (trailing 64 dims, interleaved),
-  the Hadamard, fp8 quant and the store into the index-K cache (the library's `k_prologue_store` op, norm "none").
+  the Hadamard, fp8 quant and the store into the index-K cache (the library's `k_prologue_store` op).
 
 Decode needs the projections of a request's last tokens: `CompressorState` keeps the kv and score of each request's
-last 8 positions (ring index p % 8; fp32; 16 KiB per request). Every step reads the window tokens that are not in
+last 8 positions (ring index p % 8; fp32; 16 KiB per request).
+Precision: the pooled value is rounded to bf16 before the norm, as published; the norm, RoPE and Hadamard then run
+in fp32 in one kernel (the published code rounds to bf16 after each; one bf16 ulp, far below the fp8 step). Every step reads the window tokens that are not in
 the step from the state, then writes the step's last 8 tokens per request into it, all with device ops (no host
 sync), so a decode step with its compression can be captured in a CUDA graph.
 """
@@ -33,7 +35,6 @@ from .validate import IndexerInputError
 
 RATIO = 4
 WINDOW = 2 * RATIO  # entry j pools tokens [4j - 4, 4j + 4)
-_ENTRIES_PER_CHUNK = 8192  # bounds the [entries, 8, 256] fp32 window gathers of a long prefill to 64 MiB each
 
 
 def _version_of(t: torch.Tensor) -> int:
@@ -45,16 +46,15 @@ def _version_of(t: torch.Tensor) -> int:
 
 @dataclass
 class CompressorState:
-    """Per-request rolling state of one layer's C4 compressor: the kv and gate scores (ape added) of each request's
-    last 8 token positions, fp32 ``[num_slots + 1, 8, 256]``; ring index = position % 8. The last row is scratch:
-    padding rows of a captured graph write there.
+    """Per-request rolling state of one layer's C4 compressor: ``window`` fp32 ``[num_slots + 1, 8, 512]``, the
+    projections ``[wkv(x) | wgate(x)]`` (ape not added) of each request's last 8 token positions at ring index
+    position % 8. The last row is scratch: padding rows of a captured graph write there.
 
     One state per layer, like the cache. A request's slot must hold its own history: a request that starts at
     position 0 never reads it, but one that resumes (chunked prefill, decode) reads the tokens before its step.
     After a prefix-cache hit, rebuild the slot with `Compressor.prime_state` from the prefix's last 8 tokens."""
 
-    kv: torch.Tensor
-    score: torch.Tensor
+    window: torch.Tensor
 
     @classmethod
     def allocate(cls, num_slots: int, config: IndexerConfig, device: torch.device | str = "cpu"
@@ -63,17 +63,18 @@ class CompressorState:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
         if config.compress_ratio != RATIO:
             raise ValueError(f"CompressorState is for compress_ratio 4 (C4) configs, got {config.compress_ratio}")
-        shape = (num_slots + 1, WINDOW, 2 * config.head_dim)
-        return cls(torch.zeros(shape, dtype=torch.float32, device=device),
-                   torch.full(shape, float("-inf"), dtype=torch.float32, device=device))
+        return cls(torch.zeros(num_slots + 1, WINDOW, 4 * config.head_dim, dtype=torch.float32, device=device))
 
     @property
     def num_slots(self) -> int:
-        return self.kv.shape[0] - 1
+        return self.window.shape[0] - 1
 
     @property
     def device(self) -> torch.device:
-        return self.kv.device
+        return self.window.device
+
+    def clone(self) -> "CompressorState":
+        return CompressorState(self.window.clone())
 
 
 @dataclass
@@ -123,12 +124,10 @@ class Compressor(nn.Module):
             self._projection = (key, torch.cat(parts, dim=0).contiguous())
         return self._projection[1]
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv, score)`` fp32 [T, 256] each for tokens ``x`` [T, hidden] at ``positions``; score has ape added."""
-        both = F.linear(x.float(), self.projection_weight())
-        two_d = 2 * self.config.head_dim
-        kv, score = both[:, :two_d], both[:, two_d:]
-        return kv, score + self.ape[positions % RATIO]
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``[wkv(x) | wgate(x)]`` fp32 [T, 512] of tokens ``x`` [T, hidden] (one fp32 GEMM; ape is added when
+        pooling, where each token's position in its group is known)."""
+        return F.linear(x.float(), self.projection_weight())
 
     def pool(self, kv_window: torch.Tensor, score_window: torch.Tensor) -> torch.Tensor:
         """Window projections [E, 8, 256] (token offsets 0..7 of each entry's window) -> normed bf16 entries [E, 128]:
@@ -141,9 +140,12 @@ class Compressor(nn.Module):
 
     def compress(self, x: torch.Tensor) -> torch.Tensor:
         """All complete entries of ONE request from its tokens ``x`` [L, hidden] at positions 0 .. L - 1 -> bf16
-        [L // 4, 128] (normed, before RoPE). Stateless: what a whole-prompt prefill computes (and a readable
-        statement of the math; `step` computes the same entries batched and resumable)."""
-        kv, score = self.project(x, torch.arange(x.shape[0], device=x.device))
+        [L // 4, 128] (normed, before RoPE). Stateless: what a whole-prompt prefill computes, written as plain
+        tensor ops (`step` computes the same entries batched and resumable, through the `c4_compress_pool` op)."""
+        two_d = 2 * self.config.head_dim
+        both = self.project(x)
+        positions = torch.arange(x.shape[0], device=x.device)
+        kv, score = both[:, :two_d], both[:, two_d:] + self.ape[positions % RATIO]
         n = x.shape[0] // RATIO
         if n == 0:
             return x.new_empty(0, self.config.head_dim, dtype=torch.bfloat16)
@@ -161,51 +163,18 @@ class Compressor(nn.Module):
             raise IndexerInputError(f"slot must lie in [0, {state.num_slots}), got {slot}")
         if x_tail.shape[0] > WINDOW:
             x_tail, first_position = x_tail[-WINDOW:], first_position + x_tail.shape[0] - WINDOW
-        positions = torch.arange(first_position, first_position + x_tail.shape[0], device=x_tail.device)
-        kv, score = self.project(x_tail.to(state.device), positions.to(state.device))
-        ring = positions.to(state.device) % WINDOW
-        state.kv[slot, ring] = kv
-        state.score[slot, ring] = score
+        ring = torch.arange(first_position, first_position + x_tail.shape[0], device=state.device) % WINDOW
+        state.window[slot, ring] = self.project(x_tail.to(state.device))
 
     def step(self, x: torch.Tensor, step: CompressionStep, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
              fp8_dtype: torch.dtype) -> None:
-        """Compress and store every entry this step's tokens complete, then roll the state forward."""
+        """Compress and store every entry this step's tokens complete, then roll the state forward: the fp32
+        projection GEMM, the `c4_compress_pool` op (window gather, softmax pooling, state update), and the
+        `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1)."""
         cfg = self.config
-        state = step.state
-        positions = step.positions
-        kv, score = self.project(x, positions)
-        t = positions.shape[0]
-        request = step.row_request.long()
-        big = torch.iinfo(torch.int64).max
-        first = torch.full((step.num_requests,), big, dtype=torch.int64, device=x.device)
-        first = first.scatter_reduce(0, request, positions, "amin")
-        last = torch.full((step.num_requests,), -1, dtype=torch.int64, device=x.device)
-        last = last.scatter_reduce(0, request, positions, "amax")
-        rows_in_step = positions - first[request]  # how many earlier rows of this request the step holds
-        scratch = state.num_slots
-        slot = torch.where(step.state_slot >= 0, step.state_slot, torch.full_like(step.state_slot, scratch))
-
-        offsets = torch.arange(WINDOW, device=x.device)
-        for start in range(0, step.compress_rows.shape[0], _ENTRIES_PER_CHUNK):
-            rows = step.compress_rows[start:start + _ENTRIES_PER_CHUNK]
-            back = (WINDOW - 1) - offsets  # window offset o is (7 - o) tokens before the entry's last token
-            token = positions[rows, None] - back[None, :]  # [E, 8] positions of the window's tokens
-            in_step = back[None, :] <= rows_in_step[rows, None]
-            from_step = (rows[:, None] - back[None, :]).clamp(0, t - 1)
-            ring = token.clamp_min(0) % WINDOW
-            kv_w = torch.where(in_step[..., None], kv[from_step], state.kv[slot[rows, None], ring])
-            score_w = torch.where(in_step[..., None], score[from_step], state.score[slot[rows, None], ring])
-            missing = (token < 0)[..., None]
-            kv_w = kv_w.masked_fill(missing, 0.0)
-            score_w = score_w.masked_fill(missing, float("-inf"))
-            entries = self.pool(kv_w, score_w)
-            # RoPE at the entry's first own token 4j = p - 3, Hadamard, fp8, store (rows without an entry: slot -1).
-            ops.k_prologue_store(entries, None, None, cfg.norm_eps, positions[rows] - (RATIO - 1), cos_sin, kv_cache,
-                                 step.entry_slots[rows], rope_offset=cfg.rope_offset,
-                                 interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="none")
-        # Keep each request's last 8 positions; older rows of a long step go to the scratch row.
-        keep = (last[request] - positions) < WINDOW
-        target = torch.where(keep, slot, torch.full_like(slot, scratch))
-        ring = positions % WINDOW
-        state.kv[target, ring] = kv
-        state.score[target, ring] = score
+        rows = step.compress_rows
+        pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
+                                      step.state_slot, rows)
+        ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, step.positions[rows] - (RATIO - 1), cos_sin,
+                             kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
+                             interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm")

@@ -359,9 +359,9 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"compressor_state must be a CompressorState, got {type(state).__name__}")
         if state.device != batch.positions.device:
             raise IndexerInputError(f"compressor_state is on {state.device} but the batch is on {batch.positions.device}")
-        if tuple(state.kv.shape[1:]) != (8, 2 * self.config.head_dim):
-            raise IndexerInputError(f"compressor_state holds [{', '.join(map(str, state.kv.shape[1:]))}] per slot, "
-                                    f"this config needs [8, {2 * self.config.head_dim}]")
+        if tuple(state.window.shape[1:]) != (8, 4 * self.config.head_dim):
+            raise IndexerInputError(f"compressor_state holds [{', '.join(map(str, state.window.shape[1:]))}] per "
+                                    f"slot, this config needs [8, {4 * self.config.head_dim}]")
         if batch.state_slot is None or batch.compress_rows is None:
             raise IndexerInputError("batch has no compressor metadata: build it with DecodeBatch.build / "
                                     "PrefillBatch.build(compress_ratio=4)")

@@ -22,7 +22,7 @@ from .dispatch.target import target_of_tensor
 from .quant import Fp8GroupLayout, QuantizedActivation
 
 OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
-       "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer")
+       "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer", "c4_compress_pool")
 NORMS = ("layernorm", "rmsnorm", "none")
 
 _problems: dict[tuple, Problem] = {}
@@ -415,3 +415,44 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
     fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_op._init_fn
     return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# c4_compress_pool
+@torch.library.custom_op("dsa_indexer::c4_compress_pool", mutates_args=("state",))
+def _c4_compress_pool_op(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    problem = _problem(("dim", "window"), ape.shape[1] // 2, state.shape[1])
+    return _run("c4_compress_pool", proj, problem, proj, state, ape, positions, row_request, state_slot, rows)
+
+
+@_c4_compress_pool_op.register_fake
+def _(proj, state, ape, positions, row_request, state_slot, rows):
+    return proj.new_empty((rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16)
+
+
+def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4 C4 compressor pooling of one step (`dsa_indexer.compressor` states the math).
+
+    ``proj [T, 4d]`` fp32: ``[wkv(x) | wgate(x)]`` of the step's rows (no ape); ``state [S + 1, 8, 4d]`` fp32: the
+    same for each state slot's last 8 positions (ring index position % 8; row S is scratch); ``ape [4, 2d]``;
+    ``positions [T]``; ``row_request [T]`` (a request's rows are consecutive, at consecutive positions);
+    ``state_slot [T]`` (-1: padding, touches no slot); ``rows [E]``: the rows whose entry to pool. Returns the
+    pooled entries bf16 ``[E, d]`` (rounded, before the norm) and then writes each request's last 8 rows of
+    ``proj`` into its state slot."""
+    v.tensor("proj", proj, dtype=torch.float32, ndim=2)
+    t, width = proj.shape
+    v.tensor("ape", ape, dtype=torch.float32, ndim=2, device=proj.device)
+    if width != 2 * ape.shape[1] or ape.shape[1] % 2:
+        raise v.IndexerInputError(f"proj must be [T, 2 * ape width = {2 * ape.shape[1]}], got {list(proj.shape)}")
+    v.tensor("state", state, dtype=torch.float32, shape=(None, 2 * ape.shape[0], width), device=proj.device,
+             contiguous=True)
+    for name, value in (("positions", positions), ("row_request", row_request), ("state_slot", state_slot)):
+        v.tensor(name, value, dtype=(torch.int32, torch.int64), shape=(t,), device=proj.device)
+    v.tensor("rows", rows, dtype=(torch.int32, torch.int64), ndim=1, device=proj.device)
+    v.in_range("rows", rows, 0, t, "rows of proj")
+    v.in_range("state_slot", state_slot, -1, state.shape[0] - 1, "state slots, -1 = padding")
+    v.in_range("positions", positions, 0, 1 << 62, "token positions")
+    fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_op._init_fn
+    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows)

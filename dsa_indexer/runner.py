@@ -174,7 +174,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
 
 
 def _clone_state(state: CompressorState | None) -> CompressorState | None:
-    return None if state is None else CompressorState(state.kv.clone(), state.score.clone())
+    return None if state is None else state.clone()
 
 
 def _verify(indexer, cache, cache_before_prefill, state_before_step, decode_inputs, decode_out, prefill_inputs,

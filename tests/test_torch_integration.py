@@ -48,6 +48,9 @@ def _cases():
         "topk_indices": (logits, 7, torch.tensor([50, 4, 30], dtype=torch.int32),
                          torch.tensor([0, 0, 10], dtype=torch.int32), None, None),
         "lightning_indexer": (q, kv, w, lens, table, width, 16, False),
+        "c4_compress_pool": (torch.randn(t, 512), torch.randn(3, 8, 512), torch.randn(4, 256), torch.arange(t) + 3,
+                             torch.zeros(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int64),
+                             torch.tensor([0, 4])),
     }
 
 

@@ -283,3 +283,23 @@ def test_full_size_v4_checkpoint_is_recognized_without_a_config(tmp_path):
     indexer = Indexer.from_safetensors(tmp_path, layer=2)
     assert indexer.config.name == "deepseek-v4-flash" and indexer.compressor is not None
     assert tuple(indexer.wq_b.weight.shape) == (8192, 1024) and tuple(indexer.compressor.wkv.weight.shape) == (256, 4096)
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda a: a.update(proj=a["proj"].double()), "proj"),
+    (lambda a: a.update(state=a["state"][:, :4]), "state"),
+    (lambda a: a.update(ape=a["ape"][:, :128]), "proj"),
+    (lambda a: a.update(rows=torch.tensor([9])), "rows"),
+    (lambda a: a.update(state_slot=torch.tensor([0, 0, 0, 5])), "state_slot"),
+    (lambda a: a.update(positions=torch.arange(3)), "positions"),
+], ids=["proj-float64", "state-window-4", "ape-narrow", "rows-out-of-range", "state_slot-out-of-range",
+        "positions-short"])
+def test_c4_compress_pool_bad_input_names_the_argument(change, name):
+    from dsa_indexer import ops
+
+    args = dict(proj=torch.randn(4, 512), state=torch.randn(3, 8, 512), ape=torch.randn(4, 256),
+                positions=torch.arange(4), row_request=torch.zeros(4, dtype=torch.int32),
+                state_slot=torch.zeros(4, dtype=torch.int64), rows=torch.tensor([3]))
+    change(args)
+    with pytest.raises(IndexerInputError, match=name):
+        ops.c4_compress_pool(**args)

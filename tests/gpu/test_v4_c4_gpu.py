@@ -108,7 +108,7 @@ def test_gpu_entries_match_the_reference_ops_on_cpu():
     assert (s_cpu > 0).all(), "every entry was written"
     assert (k_gpu.float() == k_cpu.float()).float().mean() > 0.99
     assert torch.allclose(s_gpu, s_cpu, rtol=1e-2)
-    assert torch.allclose(state.kv[:1].cpu(), cpu_state.kv[:1], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(state.window[:1].cpu(), cpu_state.window[:1], rtol=1e-4, atol=1e-4)
 
 
 def test_cuda_graph_decode_with_compressor_state_matches_eager():
@@ -120,9 +120,8 @@ def test_cuda_graph_decode_with_compressor_state_matches_eager():
         pb = PrefillBatch.build([0], [n], table[r:r + 1], device="cuda", compress_ratio=4,
                                 state_slots=[int(slots[r])])
         indexer.store_keys(_rand(gen, n, cfg.hidden_size), pb, cache, compressor_state=state)
-    state.kv[7].fill_(123.0)  # a slot no request uses: padding rows of the graph must not write it
-    eager_cache, eager_state = IndexKCache(cache.data.clone(), cache.fp8_dtype), CompressorState(
-        state.kv.clone(), state.score.clone())
+    state.window[7].fill_(123.0)  # a slot no request uses: padding rows of the graph must not write it
+    eager_cache, eager_state = IndexKCache(cache.data.clone(), cache.fp8_dtype), state.clone()
     graph = indexer.capture_decode(cache, batch_size=6, max_context_len=512, compressor_state=state)
     agree = []
     for step in range(1, 7):
@@ -136,8 +135,8 @@ def test_cuda_graph_decode_with_compressor_state_matches_eager():
     torch.cuda.synchronize()
     # The graph projects 6 rows where eager projects 4 (another GEMM tile may round the last fp32 bit differently).
     assert min(agree) >= 0.99, agree
-    assert torch.allclose(state.kv[:7], eager_state.kv[:7], rtol=1e-5, atol=1e-5)
-    assert (state.kv[7] == 123.0).all(), "a padding row wrote into a state slot"
+    assert torch.allclose(state.window[:7], eager_state.window[:7], rtol=1e-5, atol=1e-5)
+    assert (state.window[7] == 123.0).all(), "a padding row wrote into a state slot"
     assert (cache.data.float() == eager_cache.data.float()).float().mean() > 0.999
 
 
@@ -151,11 +150,11 @@ def test_dual_stream_with_the_compressor_is_bit_identical_to_single_stream():
     outs = []
     for strategy in (dual_stream.make_dual_stream(), single_stream):
         work_cache = IndexKCache(cache.data.clone(), cache.fp8_dtype)
-        work_state = CompressorState(state.kv.clone(), state.score.clone())
+        work_state = state.clone()
         step = indexer._compression_step(db, work_state)
         q_fp8, weights = strategy(indexer, x, q_lora, db.positions, step, work_cache.data, None)
         torch.cuda.synchronize()
-        outs.append((q_fp8, weights, work_cache.data, work_state.kv, work_state.score))
+        outs.append((q_fp8, weights, work_cache.data, work_state.window))
     for a, b in zip(*outs):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
                            b.view(torch.uint8) if b.dtype != torch.float32 else b)

@@ -7,7 +7,7 @@ from ...dispatch.registry import Registry
 
 REFERENCE_PRIORITY = 0
 REFERENCE_OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
-                 "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer")
+                 "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer", "c4_compress_pool")
 
 
 def _factory(name: str):

@@ -243,3 +243,39 @@ def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights:
         return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, None, None)
     return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, block_table,
                                          _row_requests(q.shape[0], q.shape[1], q.device))
+
+
+def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """V4 C4 compressor pooling (see `dsa_indexer.compressor`): bf16 [E, d] pooled entries of ``rows``, then the
+    state rolls forward (each request's last 8 rows of ``proj`` written at ring index position % 8)."""
+    t, width = proj.shape
+    two_d = width // 2
+    d = two_d // 2
+    window = state.shape[1]
+    ratio = ape.shape[0]
+    scratch = state.shape[0] - 1
+    request = row_request.long()
+    slot = torch.where(state_slot >= 0, state_slot, torch.full_like(state_slot, scratch)).long()
+    back = (window - 1) - torch.arange(window, device=proj.device)  # offset o is (7 - o) rows before the entry's last
+    src = rows[:, None] - back[None, :]
+    token = positions[rows, None] - back[None, :]
+    # A window token is in this step when the row that many places back belongs to the same request (a request's
+    # rows are consecutive, at consecutive positions); otherwise it is in the state.
+    in_step = (src >= 0) & (request[src.clamp_min(0)] == request[rows, None])
+    ring = token.clamp_min(0) % window
+    win = torch.where(in_step[..., None], proj[src.clamp(0, t - 1)], state[slot[rows, None], ring])
+    kv = torch.cat([win[:, :ratio, :d], win[:, ratio:, d:two_d]], dim=1)
+    score = torch.cat([win[:, :ratio, two_d:two_d + d], win[:, ratio:, two_d + d:]], dim=1)
+    ape_of = ape[token.clamp_min(0) % ratio]  # [E, 8, 2d]
+    score = score + torch.cat([ape_of[:, :ratio, :d], ape_of[:, ratio:, d:]], dim=1)
+    missing = (token < 0)[..., None]
+    kv = kv.masked_fill(missing, 0.0)
+    score = score.masked_fill(missing, float("-inf"))
+    pooled = (torch.softmax(score, dim=1) * kv).sum(dim=1).to(torch.bfloat16)
+    # Roll the state: a row is among its request's last `window` rows when the row `window` places on is not.
+    later = torch.full_like(request, -1)
+    later[:-window] = request[window:]
+    target = torch.where((later != request) & (state_slot >= 0), slot, torch.full_like(slot, scratch))
+    state[target, positions % window] = proj
+    return pooled

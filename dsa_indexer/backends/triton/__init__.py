@@ -27,6 +27,7 @@ KERNELS = {
     "ragged_mqa_logits": ("logits", "ragged_mqa_logits"),
     "paged_mqa_logits": ("logits", "paged_mqa_logits"),
     "topk_indices": ("topk", "topk_indices"),
+    "c4_compress_pool": ("compressor", "c4_compress_pool"),
 }
 
 
