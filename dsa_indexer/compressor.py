@@ -175,6 +175,9 @@ class Compressor(nn.Module):
         rows = step.compress_rows
         pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
                                       step.state_slot, rows)
-        ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, step.positions[rows] - (RATIO - 1), cos_sin,
+        # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
+        # slot -1 and store nothing, but their position must still index the table: clamp at 0.
+        entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
+        ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
                              kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
                              interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm")
