@@ -21,3 +21,10 @@ def test_readme_starts_with_exactly_two_setup_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert _setup_commands()[1] in ci
+
+
+def test_the_v4_guide_example_runs():
+    """docs/v4.md's example is complete: run it as written (CPU here, the GPU where present)."""
+    text = (ROOT / "docs" / "v4.md").read_text()
+    code = text.split("```python", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/v4.md", "exec"), {})
