@@ -303,3 +303,30 @@ def test_c4_compress_pool_bad_input_names_the_argument(change, name):
     change(args)
     with pytest.raises(IndexerInputError, match=name):
         ops.c4_compress_pool(**args)
+
+
+def test_prime_state_rebuilds_a_slot_after_a_prefix_cache_hit():
+    """A request whose prefix keys are cached but whose state slot is fresh: priming the slot with the prefix's last
+    8 tokens makes the next steps store exactly what an unbroken run stores."""
+    seed = fresh_seed()
+    indexer = Indexer(V4_TINY).init_random(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(45, V4_TINY.hidden_size, generator=gen).to(torch.bfloat16)
+    table = torch.tensor([[2]], dtype=torch.int32)
+    caches, states = [IndexKCache.allocate(3) for _ in range(2)], [CompressorState.allocate(1, V4_TINY)
+                                                                   for _ in range(2)]
+    prefix = 30  # not a multiple of 4: the window of the next entry starts inside the prefix
+    for cache, state in zip(caches, states):
+        indexer.store_keys(x[:prefix], PrefillBatch.build([0], [prefix], table, compress_ratio=4), cache,
+                           compressor_state=state)
+    states[1] = CompressorState.allocate(1, V4_TINY)  # the hit: keys cached, state lost
+    indexer.compressor.prime_state(states[1], 0, x[prefix - 11:prefix], prefix - 11)
+    for cache, state in zip(caches, states):
+        indexer.store_keys(x[prefix:], PrefillBatch.build([prefix], [45 - prefix], table, compress_ratio=4), cache,
+                           compressor_state=state)
+    assert torch.equal(caches[0].data, caches[1].data)
+    lost = IndexKCache.allocate(3)  # without priming the entries that straddle the prefix differ
+    lost.data.copy_(caches[0].data)
+    indexer.store_keys(x[prefix:], PrefillBatch.build([prefix], [45 - prefix], table, compress_ratio=4), lost,
+                       compressor_state=CompressorState.allocate(1, V4_TINY))
+    assert not torch.equal(lost.data, caches[0].data)
