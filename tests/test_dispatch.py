@@ -43,11 +43,12 @@ def test_fp8_flavour_per_target():
 
 def test_detect_target_override_argument_and_environment(monkeypatch):
     monkeypatch.delenv("DSA_INDEXER_TARGET", raising=False)
+    reload_environment()
     assert detect_target("cpu") == Target("cpu", "cpu")
     assert detect_target("cpu", override="gfx950") == Target("rocm", "gfx950")
     monkeypatch.setenv("DSA_INDEXER_TARGET", "sm100")
+    reload_environment()  # the variable is read once, in one place; Registry.clear_cache() re-reads it
     assert detect_target("cpu") == Target("cuda", "sm100")
-    reload_environment()  # the hot path reads the variable once; Registry.clear_cache() re-reads it
     assert target_of_tensor(torch.zeros(1)) == Target("cuda", "sm100")
     monkeypatch.delenv("DSA_INDEXER_TARGET")
     reload_environment()

@@ -4,8 +4,9 @@ from .environment import Environment
 from .plugins import default_registry, hookimpl, load_plugins
 from .problem import Problem, token_bucket
 from .registry import Candidate, Implementation, NoImplementationError, Registry, Resolution
-from .target import CPU, Target, detect_target, parse_target
+from .platform import Platform, register_platform
+from .target import Target, detect_target, parse_target
 
-__all__ = ["CPU", "Candidate", "Environment", "Implementation", "NoImplementationError", "Problem", "Registry",
-           "Resolution", "Target", "default_registry", "detect_target", "hookimpl", "load_plugins", "parse_target",
+__all__ = ["Candidate", "Environment", "Implementation", "NoImplementationError", "Platform", "Problem", "Registry",
+           "Resolution", "Target", "default_registry", "detect_target", "hookimpl", "load_plugins", "parse_target", "register_platform",
            "token_bucket"]

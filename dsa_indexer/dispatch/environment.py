@@ -3,8 +3,9 @@
 Resolution reads these facts only through an `Environment`, so tests can simulate any machine:
 ``Environment.simulated(gpu=True, triton=True, deep_gemm=False)`` describes an sm90 box without DeepGEMM.
 A fact is a name mapped to ``None`` (present and working) or a reason string (absent or broken).
-Real facts are probed lazily, once; a backend adds probes for its vendor library (DeepGEMM's
-self-test, for example) through `Registry.add_probe`.
+Real facts are probed lazily, once. The portable facts (``gpu``, ``triton``) are here; each platform brings its
+vendor's (dispatch/platform.py), and a backend replaces a probe with a deeper one (a self-test) through
+`Registry.add_probe`.
 """
 
 from __future__ import annotations
@@ -33,15 +34,12 @@ def module_probe(module: str, hint: str) -> Probe:
 
 
 def _gpu_probe() -> str | None:
-    if torch.cuda.is_available():
-        return None
-    npu = getattr(torch, "npu", None)
-    try:
-        if npu is not None and npu.is_available():
+    from .platform import platforms
+
+    for platform in platforms():
+        if platform.is_accelerator and platform.device_visible():
             return None
-    except Exception:
-        pass
-    return "no GPU or NPU device is visible to torch"
+    return "no accelerator device is visible to torch"
 
 
 def _triton_probe() -> str | None:
@@ -56,10 +54,14 @@ def _triton_probe() -> str | None:
 BUILTIN_PROBES: dict[str, Probe] = {
     "gpu": _gpu_probe,
     "triton": _triton_probe,
-    "deep_gemm": module_probe("deep_gemm", "pip install 'dsa-indexer[cuda]' or build upstream DeepGEMM"),
-    "aiter": module_probe("aiter", "pip install 'dsa-indexer[rocm]' on a ROCm machine"),
-    "torch_npu": module_probe("torch_npu", "pip install 'dsa-indexer[npu]' with the CANN toolkit"),
 }
+
+
+def default_probes() -> dict[str, Probe]:
+    """The portable facts plus every registered platform's (its vendor libraries, its devices)."""
+    from .platform import vendor_probes
+
+    return {**BUILTIN_PROBES, **vendor_probes()}
 
 
 class Environment:
@@ -67,7 +69,7 @@ class Environment:
 
     def __init__(self, probes: Mapping[str, Probe] | None = None, facts: Mapping[str, str | None] | None = None,
                  name: str = "detected") -> None:
-        self._probes = dict(BUILTIN_PROBES if probes is None else probes)
+        self._probes = dict(default_probes() if probes is None else probes)
         self._facts: dict[str, str | None] = dict(facts or {})
         self._lock = threading.Lock()
         self.name = name

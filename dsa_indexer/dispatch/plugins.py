@@ -1,7 +1,8 @@
 """Backends arrive as pluggy plugins with one hook, ``dsa_indexer_register(registry)``.
 
-The built-in backends register through the same hook as third-party ones, which are found through the
-entry-point group ``dsa_indexer.backends``. A plugin that fails to import or to register is recorded
+Every backend, built-in or third-party, is an entry point of the group ``dsa_indexer.backends`` (the built-in ones
+are declared in pyproject.toml) and registers through the same hook. The built-ins are those `dsa_indexer.backends`
+lists (so a source tree that is not pip-installed still finds them); they load first, in that order. A plugin that fails to import or to register is recorded
 (``registry.plugins_failed``, shown by `dsa-indexer info` and in "no implementation" errors) and whatever
 it registered before failing is rolled back; the host never crashes because of a plugin.
 
@@ -30,13 +31,12 @@ ALLOW_ENV = "DSA_INDEXER_PLUGINS"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-BUILTIN_BACKENDS = (
-    "dsa_indexer.backends.reference",
-    "dsa_indexer.backends.triton",
-    "dsa_indexer.backends.cuda",
-    "dsa_indexer.backends.rocm",
-    "dsa_indexer.backends.npu",
-)
+
+
+def builtin_backends() -> tuple[str, ...]:
+    from .. import backends
+
+    return tuple(backends.BUILTIN_PACKAGES)
 
 
 class BackendSpec:
@@ -62,9 +62,10 @@ def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, 
     registry.plugins_loaded.append(name)
 
 
-def load_plugins(registry: Registry, *, builtins: tuple[str, ...] = BUILTIN_BACKENDS,
+def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
                  entry_points: bool | None = None) -> pluggy.PluginManager:
-    """Register the built-in backends, then the installed entry points, into ``registry``."""
+    """Register the built-in backends, then the other installed entry points, into ``registry``."""
+    builtins = builtin_backends() if builtins is None else builtins
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(BackendSpec)
     for module_name in builtins:
@@ -80,6 +81,8 @@ def load_plugins(registry: Registry, *, builtins: tuple[str, ...] = BUILTIN_BACK
         return manager
     allowed = {n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.value in builtin_backends():
+            continue  # a built-in, loaded above
         if allowed and entry.name not in allowed:
             continue
         try:

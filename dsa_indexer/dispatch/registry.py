@@ -2,7 +2,7 @@
 
 An implementation is a record (`Implementation`): op name, id ``<op>.<vendor>.<variant>``, the targets it
 serves (an exact arch such as ``sm90``, a family such as ``rocm``, or ``*``), an explicit priority,
-the environment facts it needs (``deep_gemm``, ``gpu`` ...), and two checks that return a reason when
+the environment facts it needs (``gpu``, ``triton``, a vendor library's fact ...), and two checks that return a reason when
 they say no: ``available(target, env)`` and ``supports(problem, target)``.
 
 `Registry.resolve` is a pure function of (op, target, problem, environment, overrides) and returns a
@@ -27,7 +27,6 @@ FORCE_ENV = "DSA_INDEXER_FORCE"
 STRICT_ENV = "DSA_INDEXER_STRICT"
 
 REFERENCE_VENDOR = "reference"
-FAMILIES = ("cuda", "rocm", "npu", "cpu")
 
 Check = Callable[..., "str | None"]
 

@@ -1,35 +1,30 @@
 """Targets: which accelerator a tensor lives on, as plain data.
 
-A `Target` is parsed strictly from the vendors' own names (`sm90`, `gfx950`, `npu`, `cpu`) so that
-any target can be simulated on any machine (`DSA_INDEXER_TARGET=gfx950`) and tests can walk the
-whole arch matrix without the hardware.
+A `Target` is parsed strictly from the vendors' own names (`sm90`, `gfx950`, `npu`, `cpu`; each vendor's
+`Platform` parses its own) so that any target can be simulated on any machine (`DSA_INDEXER_TARGET=gfx950`) and
+tests can walk the whole arch matrix without the hardware. Resolve a target once and pass it down
+(`Indexer(target=...)`, ``ops.*(..., target=...)``); ``DSA_INDEXER_TARGET`` is read in one place.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
+from .platform import platform_of, platforms, vendors
+
 TARGET_ENV = "DSA_INDEXER_TARGET"
-
-VENDORS = ("cuda", "rocm", "npu", "cpu")
-KNOWN_CUDA_ARCHS = ("sm90", "sm100", "sm120")
-KNOWN_ROCM_ARCHS = ("gfx942", "gfx950", "gfx1250")
-
-_CUDA_RE = re.compile(r"^sm_?(\d{2,3})[af]?$")
-_ROCM_RE = re.compile(r"^(gfx[0-9a-f]{3,4})(:[A-Za-z0-9_+\-:]*)?$")
-_NPU_RE = re.compile(r"^npu(?:[:/](?P<soc>[A-Za-z0-9_.\-]+))?$")
 
 
 @dataclass(frozen=True)
 class Target:
     """An accelerator family and architecture, e.g. ``Target("rocm", "gfx950")``.
 
-    ``soc`` carries the Ascend SoC name when torch_npu reports one; it never changes resolution.
+    ``vendor`` names a registered `Platform` (dispatch/platform.py); ``soc`` carries a SoC name when the vendor
+    reports one (Ascend); it never changes resolution.
     """
 
     vendor: str
@@ -37,8 +32,8 @@ class Target:
     soc: str | None = None
 
     def __post_init__(self) -> None:
-        if self.vendor not in VENDORS:
-            raise ValueError(f"Target.vendor must be one of {VENDORS}, got {self.vendor!r}")
+        if self.vendor not in vendors():
+            raise ValueError(f"Target.vendor must be one of {vendors()}, got {self.vendor!r}")
         # Hashed on every op call (the registry's cache key): compute it once.
         object.__setattr__(self, "_hash", hash((self.vendor, self.arch, self.soc)))
 
@@ -51,81 +46,54 @@ class Target:
     @property
     def is_gpu(self) -> bool:
         """True for accelerators on which the pure-torch reference is a slow fallback."""
-        return self.vendor != "cpu"
+        return platform_of(self.vendor).is_accelerator
 
     @property
     def fp8_dtype(self) -> torch.dtype:
-        """The fp8 e4m3 flavour this target's matrix units take (fnuz on MI300 / gfx942)."""
-        return torch.float8_e4m3fnuz if self.arch == "gfx942" else torch.float8_e4m3fn
-
-
-CPU = Target("cpu", "cpu")
+        """The fp8 e4m3 flavour this target's matrix units take (its platform says, per arch)."""
+        return platform_of(self.vendor).fp8_dtype(self.arch)
 
 
 def parse_target(name: str) -> Target:
-    """Parse a vendor's arch name strictly.
-
-    Accepts ``sm90`` / ``sm_90`` / ``sm90a`` (cuda), ``gfx942`` or torch's ``gcnArchName`` such as
-    ``gfx942:sramecc+:xnack-`` (rocm, suffixes stripped), ``npu`` / ``npu:Ascend910B`` and ``cpu``.
-    """
+    """Parse a vendor's arch name strictly: each registered platform tries it (``sm90``, ``gfx942:sramecc+``,
+    ``npu:Ascend910B``, ``cpu`` with the built-in ones)."""
     if not isinstance(name, str):
         raise TypeError(f"target must be a str such as 'sm90' or 'gfx950', got {type(name).__name__}")
     text = name.strip()
-    lower = text.lower()
-    if lower == "cpu":
-        return CPU
-    match = _CUDA_RE.match(lower)
-    if match:
-        return Target("cuda", f"sm{match.group(1)}")
-    match = _ROCM_RE.match(lower)
-    if match:
-        return Target("rocm", match.group(1))
-    match = _NPU_RE.match(text if text.lower().startswith("npu") else lower)
-    if match and lower.startswith("npu"):
-        return Target("npu", "npu", match.group("soc"))
-    raise ValueError(
-        f"unknown target {name!r}: expected a CUDA arch (sm90, sm100, sm120), a ROCm arch "
-        f"(gfx942, gfx950, gfx1250), 'npu' (optionally 'npu:<SoC>') or 'cpu'"
-    )
+    for platform in platforms():
+        target = platform.parse(text)
+        if target is not None:
+            return target
+    accepted = "; ".join(p.names for p in platforms() if p.names)
+    raise ValueError(f"unknown target {name!r}: expected {accepted}")
 
 
 def _device_of(device: torch.device | str | int | None) -> torch.device:
     if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        if _npu_available():
-            return torch.device("npu")
+        for platform in platforms():
+            if platform.default_device and platform.device_visible():
+                return torch.device(platform.default_device)
         return torch.device("cpu")
     if isinstance(device, int):
         return torch.device("cuda", device)
     return torch.device(device)
 
 
-def _npu_available() -> bool:
-    npu = getattr(torch, "npu", None)
-    try:
-        return bool(npu is not None and npu.is_available())
-    except Exception:  # torch_npu present but no driver
-        return False
-
-
 @functools.lru_cache(maxsize=64)
 def _detect_hardware(device: torch.device) -> Target:
-    if device.type == "cpu" or device.type == "meta":
-        return CPU
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if torch.version.hip:
-            return parse_target(props.gcnArchName)
-        return Target("cuda", f"sm{props.major}{props.minor}")
-    if device.type == "npu":
-        soc = None
-        try:
-            soc = torch.npu.get_device_name(device.index or 0)  # type: ignore[attr-defined]
-        except Exception:
-            soc = None
-        return Target("npu", "npu", soc.replace(" ", "") if soc else None)
-    raise ValueError(f"device type {device.type!r} is not supported by dsa_indexer (cuda, npu or cpu)")
+    if device.type == "meta":
+        device = torch.device("cpu")
+    for platform in platforms():
+        target = platform.detect(device)
+        if target is not None:
+            return target
+    raise ValueError(f"device type {device.type!r} is not served by any registered platform "
+                     f"({', '.join(vendors())})")
+
+
+def forget_detection() -> None:
+    """Drop cached detections (a platform was registered or removed)."""
+    _detect_hardware.cache_clear()
 
 
 def detect_target(device: torch.device | str | int | None = None, override: str | Target | None = None) -> Target:
@@ -135,9 +103,9 @@ def detect_target(device: torch.device | str | int | None = None, override: str 
     """
     if override is not None:
         return override if isinstance(override, Target) else parse_target(override)
-    env = os.environ.get(TARGET_ENV)
-    if env:
-        return parse_target(env)
+    env = _environment_override()
+    if env is not None:
+        return env
     return _detect_hardware(_device_of(device))
 
 
@@ -145,19 +113,32 @@ _UNREAD = object()
 _env_target: object = _UNREAD  # the parsed DSA_INDEXER_TARGET, read once (os.environ lookups cost ~2 us)
 
 
+def _environment_override() -> Target | None:
+    """``DSA_INDEXER_TARGET``, the user's override: the one place it is read (parsed once, cached)."""
+    global _env_target
+    if _env_target is _UNREAD:
+        name = os.environ.get(TARGET_ENV)
+        _env_target = parse_target(name) if name else None
+    return _env_target  # type: ignore[return-value]
+
+
 def reload_environment() -> None:
-    """Re-read DSA_INDEXER_TARGET on the next op call (`Registry.clear_cache` calls this)."""
+    """Re-read DSA_INDEXER_TARGET on the next call (`Registry.clear_cache` calls this)."""
     global _env_target
     _env_target = _UNREAD
 
 
-def target_of_tensor(tensor: torch.Tensor) -> Target:
-    """The target an op on ``tensor`` runs for; the hot path, so detection and the override are cached."""
-    global _env_target
-    override = _env_target
-    if override is _UNREAD:
-        name = os.environ.get(TARGET_ENV)
-        override = _env_target = parse_target(name) if name else None
+def target_of_tensor(tensor: torch.Tensor, target: Target | None = None) -> Target:
+    """The target an op on ``tensor`` runs for: ``target`` when the caller has resolved it (an `Indexer` holds
+    its target), else the user's override, else the tensor's hardware. The hot path: all three are cached."""
+    if target is not None:
+        return target
+    override = _environment_override()
     if override is not None:
-        return override  # type: ignore[return-value]
+        return override
     return _detect_hardware(tensor.device)
+
+
+def known_targets() -> tuple[Target, ...]:
+    """One target per arch every registered platform knows (`dsa-indexer explain all`, the arch matrix)."""
+    return tuple(parse_target(arch) for platform in platforms() for arch in platform.archs)

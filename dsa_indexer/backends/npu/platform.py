@@ -1,0 +1,42 @@
+"""The Ascend platform: ``npu`` (optionally ``npu:<SoC>``), devices of torch_npu's ``npu`` type."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ...dispatch.environment import module_probe
+from ...dispatch.platform import Platform
+from ...dispatch.target import Target
+
+_NAME = re.compile(r"^npu(?:[:/](?P<soc>[A-Za-z0-9_.\-]+))?$", re.IGNORECASE)
+
+
+def _parse(name: str) -> Target | None:
+    match = _NAME.match(name)
+    return Target("npu", "npu", match.group("soc")) if match else None
+
+
+def _visible() -> bool:
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:  # noqa: BLE001 - torch_npu present but no driver
+        return False
+
+
+def _detect(device: torch.device) -> Target | None:
+    if device.type != "npu":
+        return None
+    try:
+        soc = torch.npu.get_device_name(device.index or 0)  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        soc = None
+    return Target("npu", "npu", soc.replace(" ", "") if soc else None)
+
+
+PLATFORM = Platform(
+    vendor="npu", archs=("npu",), parse=_parse, detect=_detect, device_visible=_visible, default_device="npu",
+    probes={"torch_npu": module_probe("torch_npu", "pip install 'dsa-indexer[npu]' with the CANN toolkit")},
+    names="'npu' (optionally 'npu:<SoC>')")

@@ -1,0 +1,119 @@
+"""Platforms: what a vendor knows about its own hardware, kept in that vendor's backend folder.
+
+A `Platform` says how its arch names parse, how a torch device of its kind is recognized, which fp8 flavour each arch
+takes, and which environment facts its libraries and devices add (the probes). Dispatch only loops over the
+registered platforms: it names no vendor library and no backend module. The built-in platforms are the
+``platform`` modules of the packages `dsa_indexer.backends` lists; a third-party vendor adds its own through the
+entry-point group ``dsa_indexer.platforms`` (or `register_platform`), so a new vendor is a folder plus an entry point
+and a new arch is a line in its platform.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from .environment import Probe
+    from .target import Target
+
+PLATFORM_ENTRY_POINT_GROUP = "dsa_indexer.platforms"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One accelerator family. ``parse(name)`` -> Target or None (not this vendor's name); ``detect(device)`` ->
+    Target or None (not this vendor's device); ``device_visible()`` -> whether a device of this kind is present."""
+
+    vendor: str
+    archs: tuple[str, ...]  # the archs this library knows (explain all, the arch matrix); others may still parse
+    parse: Callable[[str], "Target | None"]
+    detect: Callable[[torch.device], "Target | None"]
+    device_visible: Callable[[], bool] = lambda: False
+    fp8_dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)  # arch -> e4m3 flavour (default e4m3fn)
+    probes: Mapping[str, "Probe"] = field(default_factory=dict)  # environment facts of this vendor
+    default_device: str | None = None  # the torch device type used when a device must be guessed
+    is_accelerator: bool = True  # False for the CPU: the reference is not a slow fallback there
+    names: str = ""  # the names parse accepts, for error messages
+
+    def fp8_dtype(self, arch: str) -> torch.dtype:
+        return self.fp8_dtypes.get(arch, torch.float8_e4m3fn)
+
+
+_PLATFORMS: dict[str, Platform] = {}
+_lock = threading.RLock()
+_loaded = False
+load_errors: list[str] = []
+
+
+def register_platform(platform: Platform) -> None:
+    """Add (or replace) the platform of ``platform.vendor``; clears the cached hardware detection."""
+    with _lock:
+        _PLATFORMS[platform.vendor] = platform
+    from . import target
+
+    target.forget_detection()
+
+
+def unregister_platform(vendor: str) -> None:
+    with _lock:
+        _PLATFORMS.pop(vendor, None)
+    from . import target
+
+    target.forget_detection()
+
+
+def _load() -> None:
+    """Import the built-in platform modules and the platform entry points, once. A failure is recorded, not fatal."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+        from .. import backends
+
+        for package in backends.BUILTIN_PACKAGES:
+            try:
+                module = importlib.import_module(f"{package}.platform")
+            except ModuleNotFoundError:
+                continue  # a backend without hardware of its own (reference, triton)
+            except Exception as exc:  # noqa: BLE001
+                load_errors.append(f"{package}.platform: import failed: {type(exc).__name__}: {exc}")
+                continue
+            register_platform(module.PLATFORM)
+        for entry in metadata.entry_points(group=PLATFORM_ENTRY_POINT_GROUP):
+            try:
+                register_platform(entry.load())
+            except Exception as exc:  # noqa: BLE001
+                load_errors.append(f"{entry.name} ({entry.value}): {type(exc).__name__}: {exc}")
+
+
+def platforms() -> tuple[Platform, ...]:
+    _load()
+    return tuple(_PLATFORMS.values())
+
+
+def platform_of(vendor: str) -> Platform:
+    _load()
+    try:
+        return _PLATFORMS[vendor]
+    except KeyError:
+        raise ValueError(f"no platform is registered for vendor {vendor!r} (registered: "
+                         f"{', '.join(sorted(_PLATFORMS))})") from None
+
+
+def vendors() -> tuple[str, ...]:
+    return tuple(p.vendor for p in platforms())
+
+
+def vendor_probes() -> dict[str, "Probe"]:
+    """Every platform's environment facts (a vendor library's probe, its device check)."""
+    probes: dict[str, "Probe"] = {}
+    for platform in platforms():
+        probes.update(platform.probes)
+    return probes
