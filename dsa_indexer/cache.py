@@ -58,6 +58,16 @@ def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dt
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
 
 
+def indices_to_slots(indices: torch.Tensor, block_table: torch.Tensor, row_request: torch.Tensor) -> torch.Tensor:
+    """Request-local positions -> physical cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays.
+    Part of the cache contract: every backend that returns slots computes exactly this."""
+    valid = indices >= 0
+    pos = indices.clamp_min(0).long()
+    pages = block_table.long()[row_request.long()[:, None], pos // PAGE_SIZE]
+    slots = pages * PAGE_SIZE + pos % PAGE_SIZE
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
 def _check_fp8(fp8_dtype: torch.dtype) -> None:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")

@@ -15,7 +15,8 @@ import torch
 from . import __version__
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
-from .dispatch.target import detect_target, parse_target
+from .dispatch.environment import default_probes
+from .dispatch.target import detect_target, known_targets, parse_target
 
 DEFAULT_PROBLEMS = {
     "q_prologue": dict(heads=64, dim=128, rope_dim=64, interleaved=False, ue8m0=True, fp8="fn"),
@@ -34,8 +35,8 @@ DEFAULT_PROBLEMS = {
 
 def _problem_for(op: str, target, overrides: dict) -> Problem:
     facts = dict(DEFAULT_PROBLEMS.get(op, {}))
-    if "fp8" in facts and target.arch == "gfx942":
-        facts["fp8"] = "fnuz"
+    if "fp8" in facts and target.fp8_dtype == torch.float8_e4m3fnuz:
+        facts["fp8"] = "fnuz"  # the target's own flavour, as its platform says
     facts.update(overrides)
     return Problem(**facts)
 
@@ -55,7 +56,10 @@ def _versions() -> dict:
     import importlib.metadata as md
 
     out = {"dsa_indexer": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    for dist in ("triton", "pluggy", "deep_gemm", "sgl-deep-gemm", "amd-aiter", "torch_npu"):
+    from .dispatch.platform import platforms
+
+    vendor_dists = [d for p in platforms() for d in p.distributions]
+    for dist in ("triton", "pluggy", *vendor_dists):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -134,11 +138,9 @@ class _Progress:
 def cmd_run(args) -> int:
     from .runner import RunSettings, run_main_job
 
-    if args.target:
-        os.environ["DSA_INDEXER_TARGET"] = str(parse_target(args.target))
     settings = RunSettings(model=args.model, device=args.device, batch=args.batch, context=args.context,
                            steps=args.steps, prefill_tokens=args.prefill_tokens, next_n=args.next_n, seed=args.seed,
-                           verify=not args.no_verify)
+                           verify=not args.no_verify, target=parse_target(args.target) if args.target else None)
     report = run_main_job(settings, progress=_Progress)
     if args.json:
         with open(args.json, "w") as handle:
@@ -152,16 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="detected target, versions, plugins, the resolution of every op")
-    info.add_argument("--target", help="simulate a target (sm90, sm100, gfx942, gfx950, gfx1250, npu, cpu)")
+    known = ", ".join(str(t) for t in known_targets())
+    info.add_argument("--target", help=f"simulate a target ({known})")
     info.set_defaults(func=cmd_info)
 
     explain = sub.add_parser("explain", help="the full resolution trace of an op ('all' for every op)")
     explain.add_argument("op", help="op name, e.g. paged_mqa_logits, or 'all'")
-    explain.add_argument("--target", help="simulate a target (sm90, sm100, gfx942, gfx950, gfx1250, npu, cpu)")
+    explain.add_argument("--target", help=f"simulate a target ({known})")
     explain.add_argument("--problem", nargs="*", default=[], metavar="KEY=VALUE",
                          help="problem facts, e.g. heads=32 next_n=2 (defaults: the V3.2 decode shape)")
     explain.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no",
-                         help="simulate the machine instead of probing it: gpu, triton, deep_gemm, aiter, torch_npu "
+                         help=f"simulate the machine instead of probing it: {', '.join(default_probes())} "
                               "(facts not named are absent), e.g. --assume gpu=yes triton=yes")
     explain.set_defaults(func=cmd_explain)
 

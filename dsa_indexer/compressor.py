@@ -167,17 +167,18 @@ class Compressor(nn.Module):
         state.window[slot, ring] = self.project(x_tail.to(state.device))
 
     def step(self, x: torch.Tensor, step: CompressionStep, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
-             fp8_dtype: torch.dtype) -> None:
+             fp8_dtype: torch.dtype, target=None) -> None:
         """Compress and store every entry this step's tokens complete, then roll the state forward: the fp32
         projection GEMM, the `c4_compress_pool` op (window gather, softmax pooling, state update), and the
         `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1)."""
         cfg = self.config
         rows = step.compress_rows
         pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
-                                      step.state_slot, rows)
+                                      step.state_slot, rows, target=target)
         # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
         # slot -1 and store nothing, but their position must still index the table: clamp at 0.
         entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
         ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
                              kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
-                             interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm")
+                             interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm",
+                             target=target)

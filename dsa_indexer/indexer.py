@@ -17,13 +17,13 @@ from torch import nn
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .cache import IndexKCache
+from .cache import IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
-from .dispatch.target import Target, target_of_tensor
+from .dispatch.target import Target, detect_target
 from .pipeline import PIPELINE_OP, k_path
 from .quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
@@ -112,9 +112,11 @@ class Indexer(nn.Module):
         self.config = config
         self.dtype = dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
-        probe = torch.empty(0, device=device)
+        # The target is resolved once per device (argument, else DSA_INDEXER_TARGET, else the hardware) and passed to
+        # every op this indexer calls: resolution never depends on ambient state set by someone else.
         self._target_override = target
-        fp8 = self.target_for(probe).fp8_dtype
+        self._target: tuple[torch.device, Target] | None = None
+        fp8 = detect_target(device, target).fp8_dtype
         self.fp8_dtype = fp8
         hd = config.n_heads * config.head_dim
         self.wq_b: nn.Module = (BlockFp8Linear(config.q_lora_rank, hd, device, fp8) if wq_b_fp8
@@ -292,19 +294,20 @@ class Indexer(nn.Module):
         return self._x_projection[1]
 
     # --- resolution helpers -------------------------------------------------------------------------------
-    def target_for(self, t: torch.Tensor) -> Target:
-        from .dispatch.target import detect_target
-
-        if self._target_override is not None:
-            return detect_target(t.device, self._target_override)
-        return target_of_tensor(t)
+    @property
+    def target(self) -> Target:
+        """The target this indexer resolves its ops for (re-detected when the module moves to another device)."""
+        device = self.weights_proj.weight.device
+        if self._target is None or self._target[0] != device:
+            self._target = (device, detect_target(device, self._target_override))
+        return self._target[1]
 
     def gemm_input_layout(self, q_lora: torch.Tensor) -> Fp8GroupLayout:
         """The activation layout the resolved block-fp8 GEMM takes (what a reusable q_lora_quant must match)."""
         w = self.wq_b.weight
         problem = Problem(n=w.shape[0], k=w.shape[1], out=str(q_lora.dtype), fp8="fnuz" if
                           self.fp8_dtype == torch.float8_e4m3fnuz else "fn")
-        res = default_registry().resolve("gemm_fp8_blockscale", target_of_tensor(q_lora), problem)
+        res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
         return layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
 
@@ -319,7 +322,7 @@ class Indexer(nn.Module):
 
     def pipeline_resolution(self, x: torch.Tensor, decode: bool, has_quant: bool) -> Resolution:
         problem = Problem(tokens=token_bucket(x.shape[0]), decode=decode, q_lora_quant=has_quant)
-        return default_registry().choose(PIPELINE_OP, target_of_tensor(x), problem)
+        return default_registry().choose(PIPELINE_OP, self.target, problem)
 
     # --- the step -----------------------------------------------------------------------------------------
     def _check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
@@ -416,7 +419,7 @@ class Indexer(nn.Module):
         b, n = batch.batch_size, batch.next_n
         q = q_fp8.view(b, n, self.config.n_heads, self.config.head_dim)
         return ops.lightning_indexer(q, cache.data, weights, batch.context_lens, batch.block_table,
-                                     batch.max_context_len, k)
+                                     batch.max_context_len, k, target=self.target)
 
     def _score_prefill(self, q_fp8, weights, batch: PrefillBatch, cache: IndexKCache) -> torch.Tensor:
         k = self.config.topk
@@ -439,8 +442,8 @@ class Indexer(nn.Module):
             ks = batch.ks[start:stop] - lo
             ke = batch.ke[start:stop] - lo
             logits = ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], key_scales[lo:hi], weights[start:stop],
-                                           ks, ke)
-            out[start:stop] = ops.topk_indices(logits, k, ke, ks)
+                                           ks, ke, target=self.target)
+            out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
             start = stop
         return out
 
@@ -454,8 +457,6 @@ class Indexer(nn.Module):
 
     def to_physical_slots(self, indices: torch.Tensor, batch: DecodeBatch | PrefillBatch) -> torch.Tensor:
         """Request-local positions -> cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays -1."""
-        from .backends.reference.kernels import indices_to_slots
-
         return indices_to_slots(indices, batch.block_table, batch.row_request)
 
     def extra_repr(self) -> str:

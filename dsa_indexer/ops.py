@@ -10,6 +10,7 @@ Shapes: T tokens, H index heads, D = 128 head dim, B requests, N = next_n, K = q
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,7 +19,7 @@ from . import validate as v
 from .cache import PAGE_SIZE, check_kv_cache
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
-from .dispatch.target import target_of_tensor
+from .dispatch.target import Target, parse_target, target_of_tensor
 from .quant import Fp8GroupLayout, QuantizedActivation
 
 OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
@@ -41,8 +42,27 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _run(op: str, anchor: torch.Tensor, problem: Problem, *args):
-    return default_registry().call(op, target_of_tensor(anchor), problem, *args)
+@functools.lru_cache(maxsize=64)
+def _parsed(name: str) -> Target:
+    return parse_target(name)
+
+
+def _target_name(target: Target | str | None) -> str | None:
+    """The explicit target as the string the custom ops carry (a Target prints as its parseable arch name)."""
+    if target is None or isinstance(target, str):
+        return target
+    if not isinstance(target, Target):
+        raise v.IndexerInputError(f"target must be a Target, an arch name such as 'sm90', or None; got "
+                                  f"{type(target).__name__}")
+    return str(target)
+
+
+def _target_for(anchor: torch.Tensor, target: str | None) -> Target:
+    return target_of_tensor(anchor, _parsed(target) if target is not None else None)
+
+
+def _run(op: str, anchor: torch.Tensor, problem: Problem, target: str | None, *args):
+    return default_registry().call(op, _target_for(anchor, target), problem, *args)
 
 
 def _fp8_name(dtype: torch.dtype) -> str:
@@ -51,21 +71,23 @@ def _fp8_name(dtype: torch.dtype) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # quant_fp8_groups
-@torch.library.custom_op("dsa_indexer::quant_fp8_groups", mutates_args=())
-def _quant_fp8_groups_op(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dtype: torch.dtype
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_groups_impl(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dtype: torch.dtype
+                         , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     problem = _problem(("group_size", "ue8m0", "fp8", "width"), group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
-    return _run("quant_fp8_groups", x, problem, x, group_size, ue8m0, fp8_dtype)
+    return _run("quant_fp8_groups", x, problem, target, x, group_size, ue8m0, fp8_dtype)
+
+
+_quant_fp8_groups_op = torch.library.custom_op("dsa_indexer::quant_fp8_groups", mutates_args=())(_quant_fp8_groups_impl)
 
 
 @_quant_fp8_groups_op.register_fake
-def _(x, group_size, ue8m0, fp8_dtype):
+def _(x, group_size, ue8m0, fp8_dtype, target=None):
     return (torch.empty_like(x, dtype=fp8_dtype),
             x.new_empty((*x.shape[:-1], x.shape[-1] // group_size), dtype=torch.float32))
 
 
 def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = False,
-                     fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fp8_dtype: torch.dtype | None = None, target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group fp8 e4m3 quantization along the last dim: ``(x_fp8 like x, scales [..., N // group_size] f32)``.
 
     ``s = max(|group|, 1e-4) / fp8_max`` (448 for e4m3fn, 224 for e4m3fnuz), rounded up to a power of two when
@@ -75,30 +97,32 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = Fa
     v.positive_int("group_size", group_size)
     if x.dim() == 0 or x.shape[-1] % group_size:
         raise v.IndexerInputError(f"x's last dim ({list(x.shape)}) must be a multiple of group_size={group_size}")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(x).fp8_dtype)
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
     if _compiling():
-        return torch.ops.dsa_indexer.quant_fp8_groups(x, group_size, ue8m0, fp8)
-    return _quant_fp8_groups_op._init_fn(x, group_size, ue8m0, fp8)
+        return torch.ops.dsa_indexer.quant_fp8_groups(x, group_size, ue8m0, fp8, target=_target_name(target))
+    return _quant_fp8_groups_impl(x, group_size, ue8m0, fp8, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # rmsnorm_quant_fp8
-@torch.library.custom_op("dsa_indexer::rmsnorm_quant_fp8", mutates_args=())
-def _rmsnorm_quant_fp8_op(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
-                          fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rmsnorm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
+                          fp8_dtype: torch.dtype, target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     problem = _problem(("group_size", "ue8m0", "fp8", "width"), group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
-    return _run("rmsnorm_quant_fp8", x, problem, x, weight, eps, group_size, ue8m0, fp8_dtype)
+    return _run("rmsnorm_quant_fp8", x, problem, target, x, weight, eps, group_size, ue8m0, fp8_dtype)
+
+
+_rmsnorm_quant_fp8_op = torch.library.custom_op("dsa_indexer::rmsnorm_quant_fp8", mutates_args=())(_rmsnorm_quant_fp8_impl)
 
 
 @_rmsnorm_quant_fp8_op.register_fake
-def _(x, weight, eps, group_size, ue8m0, fp8_dtype):
+def _(x, weight, eps, group_size, ue8m0, fp8_dtype, target=None):
     return (torch.empty_like(x), torch.empty_like(x, dtype=fp8_dtype),
             x.new_empty((x.shape[0], x.shape[1] // group_size), dtype=torch.float32))
 
 
 def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
                       ue8m0: bool = False, fp8_dtype: torch.dtype | None = None
-                      ) -> tuple[torch.Tensor, QuantizedActivation]:
+                      , target: Target | str | None = None) -> tuple[torch.Tensor, QuantizedActivation]:
     """Fused RMSNorm + fp8 group quant: ``(normed [T, N] in x's dtype, QuantizedActivation of normed)``.
 
     The fp8 copy quantizes the rounded ``normed`` tensor that is returned, so feeding it to the indexer as
@@ -111,9 +135,9 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
         raise v.IndexerInputError(f"x's width {x.shape[1]} must be a multiple of group_size={group_size}")
     if not eps > 0:
         raise v.IndexerInputError(f"eps must be > 0, got {eps}")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(x).fp8_dtype)
-    fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_op._init_fn
-    normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8)
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
+    fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_impl
+    normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8, target=_target_name(target))
     layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8)
     return normed, QuantizedActivation(x_fp8, scales, layout)
 
@@ -128,24 +152,26 @@ def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch
                                   f"head dim {dim}")
 
 
-@torch.library.custom_op("dsa_indexer::q_prologue", mutates_args=())
-def _q_prologue_op(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+def _q_prologue_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                    weight_scale: float, rope_offset: int, interleaved: bool, ue8m0: bool, fp8_dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     problem = _problem(("heads", "dim", "rope_dim", "interleaved", "ue8m0", "fp8"), q.shape[1], q.shape[2],
                        cos_sin.shape[1], interleaved, ue8m0, _fp8_name(fp8_dtype))
-    return _run("q_prologue", q, problem, q, positions, cos_sin, head_weights, weight_scale, rope_offset,
+    return _run("q_prologue", q, problem, target, q, positions, cos_sin, head_weights, weight_scale, rope_offset,
                 interleaved, ue8m0, fp8_dtype)
 
 
+_q_prologue_op = torch.library.custom_op("dsa_indexer::q_prologue", mutates_args=())(_q_prologue_impl)
+
+
 @_q_prologue_op.register_fake
-def _(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, ue8m0, fp8_dtype):
+def _(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, ue8m0, fp8_dtype, target=None):
     return torch.empty_like(q, dtype=fp8_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
-               fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               fp8_dtype: torch.dtype | None = None, target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE + Hadamard + per-head fp8 quant of q ``[T, H, D]``; folds the q scale into the head weights.
 
     Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * q_scale)``.
@@ -161,34 +187,36 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
     v.finite_number("weight_scale", weight_scale)
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(q).fp8_dtype)
-    fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_op._init_fn
-    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8)
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(q, _target_name(target)).fp8_dtype)
+    fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_impl
+    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # k_prologue_store
-@torch.library.custom_op("dsa_indexer::k_prologue_store", mutates_args=("kv_cache",))
-def _k_prologue_store_op(k: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
+def _k_prologue_store_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
                          eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
-                         fp8_dtype: torch.dtype, norm: str) -> None:
+                         fp8_dtype: torch.dtype, norm: str, target: Optional[str] = None) -> None:
     problem = _problem(("dim", "rope_dim", "interleaved", "norm", "ue8m0", "fp8"), k.shape[1], cos_sin.shape[1],
                        interleaved, norm, ue8m0, _fp8_name(fp8_dtype))
-    _run("k_prologue_store", k, problem, k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
+    _run("k_prologue_store", k, problem, target, k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
          rope_offset, interleaved, ue8m0, fp8_dtype, norm)
+
+
+_k_prologue_store_op = torch.library.custom_op("dsa_indexer::k_prologue_store", mutates_args=("kv_cache",))(_k_prologue_store_impl)
 
 
 @_k_prologue_store_op.register_fake
 def _(k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved, ue8m0,
-      fp8_dtype, norm):
+      fp8_dtype, norm, target=None):
     return None
 
 
 def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
                      positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, *, rope_offset: int = 0, interleaved: bool = False,
-                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm") -> None:
+                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm", target: Target | str | None = None) -> None:
     """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
 
     ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight) or "none" (V4 compressed keys,
@@ -213,28 +241,30 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
     v.in_range("slot_mapping", slot_mapping, -1, kv_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or target_of_tensor(k).fp8_dtype)
-    fn = torch.ops.dsa_indexer.k_prologue_store if _compiling() else _k_prologue_store_op._init_fn
+    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(k, _target_name(target)).fp8_dtype)
+    fn = torch.ops.dsa_indexer.k_prologue_store if _compiling() else _k_prologue_store_impl
     fn(k, norm_weight, norm_bias, float(eps), positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved,
-       ue8m0, fp8, norm)
+       ue8m0, fp8, norm, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # gemm_fp8_blockscale
-@torch.library.custom_op("dsa_indexer::gemm_fp8_blockscale", mutates_args=())
-def _gemm_fp8_blockscale_op(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                            out_dtype: torch.dtype) -> torch.Tensor:
+def _gemm_fp8_blockscale_impl(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                            out_dtype: torch.dtype, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("n", "k", "out", "fp8"), b.shape[0], b.shape[1], str(out_dtype), _fp8_name(a.dtype))
-    return _run("gemm_fp8_blockscale", a, problem, a, a_scales, b, b_scales, out_dtype)
+    return _run("gemm_fp8_blockscale", a, problem, target, a, a_scales, b, b_scales, out_dtype)
+
+
+_gemm_fp8_blockscale_op = torch.library.custom_op("dsa_indexer::gemm_fp8_blockscale", mutates_args=())(_gemm_fp8_blockscale_impl)
 
 
 @_gemm_fp8_blockscale_op.register_fake
-def _(a, a_scales, b, b_scales, out_dtype):
+def _(a, a_scales, b, b_scales, out_dtype, target=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, *, target: Target | str | None = None) -> torch.Tensor:
     """``(a * a_scales) @ (b * b_scales).T``: a [M, K] fp8 with per-token-group-128 scales [M, K/128],
     b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``."""
     v.tensor("a", a, dtype=v.FP8_DTYPES, ndim=2)
@@ -247,26 +277,28 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     v.tensor("b_scales", b_scales, dtype=torch.float32, shape=(-(-b.shape[0] // 128), groups), device=a.device)
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise v.IndexerInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    fn = torch.ops.dsa_indexer.gemm_fp8_blockscale if _compiling() else _gemm_fp8_blockscale_op._init_fn
-    return fn(a, a_scales, b, b_scales, out_dtype)
+    fn = torch.ops.dsa_indexer.gemm_fp8_blockscale if _compiling() else _gemm_fp8_blockscale_impl
+    return fn(a, a_scales, b, b_scales, out_dtype, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # ragged_mqa_logits
-@torch.library.custom_op("dsa_indexer::ragged_mqa_logits", mutates_args=())
-def _ragged_mqa_logits_op(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+def _ragged_mqa_logits_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("heads", "dim", "fp8"), q.shape[1], q.shape[2], _fp8_name(q.dtype))
-    return _run("ragged_mqa_logits", q, problem, q, k, k_scales, weights, ks, ke)
+    return _run("ragged_mqa_logits", q, problem, target, q, k, k_scales, weights, ks, ke)
+
+
+_ragged_mqa_logits_op = torch.library.custom_op("dsa_indexer::ragged_mqa_logits", mutates_args=())(_ragged_mqa_logits_impl)
 
 
 @_ragged_mqa_logits_op.register_fake
-def _(q, k, k_scales, weights, ks, ke):
+def _(q, k, k_scales, weights, ks, ke, target=None):
     return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
 
 
 def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                      ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+                      ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
     """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
     ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
     ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
@@ -282,21 +314,23 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
     v.in_range("ke", ke, 0, n + 1, "key rows")
     if v.ranges_checked(ks) and s and bool((ke < ks).any()):
         raise v.IndexerInputError("ke must be >= ks on every row")
-    fn = torch.ops.dsa_indexer.ragged_mqa_logits if _compiling() else _ragged_mqa_logits_op._init_fn
-    return fn(q, k, k_scales, weights, ks, ke)
+    fn = torch.ops.dsa_indexer.ragged_mqa_logits if _compiling() else _ragged_mqa_logits_impl
+    return fn(q, k, k_scales, weights, ks, ke, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # paged_mqa_logits
-@torch.library.custom_op("dsa_indexer::paged_mqa_logits", mutates_args=())
-def _paged_mqa_logits_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+def _paged_mqa_logits_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                         block_table: torch.Tensor, max_context_len: int, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("heads", "dim", "next_n", "fp8"), q.shape[2], q.shape[3], q.shape[1], _fp8_name(q.dtype))
-    return _run("paged_mqa_logits", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len)
+    return _run("paged_mqa_logits", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len)
+
+
+_paged_mqa_logits_op = torch.library.custom_op("dsa_indexer::paged_mqa_logits", mutates_args=())(_paged_mqa_logits_impl)
 
 
 @_paged_mqa_logits_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, max_context_len):
+def _(q, kv_cache, weights, context_lens, block_table, max_context_len, target=None):
     return q.new_empty((q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32)
 
 
@@ -326,31 +360,33 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                     block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+                     block_table: torch.Tensor, max_context_len: int, *, target: Target | str | None = None) -> torch.Tensor:
     """Decode logits over the paged cache: q [B, N, H, 128] fp8, kv_cache uint8 [pages, 64, 1, 132],
     weights [B*N, H] f32, context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
     block_table [B, max_pages] int32. Returns [B*N, max_context_len] f32, -inf past each row's length."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    fn = torch.ops.dsa_indexer.paged_mqa_logits if _compiling() else _paged_mqa_logits_op._init_fn
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    fn = torch.ops.dsa_indexer.paged_mqa_logits if _compiling() else _paged_mqa_logits_impl
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # topk_indices
-@torch.library.custom_op("dsa_indexer::topk_indices", mutates_args=())
-def _topk_indices_op(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
-                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor]) -> torch.Tensor:
+def _topk_indices_impl(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
+                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor], target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("k", "slots", "starts"), k, block_table is not None, starts is not None)
-    return _run("topk_indices", logits, problem, logits, k, ends, starts, block_table, row_request)
+    return _run("topk_indices", logits, problem, target, logits, k, ends, starts, block_table, row_request)
+
+
+_topk_indices_op = torch.library.custom_op("dsa_indexer::topk_indices", mutates_args=())(_topk_indices_impl)
 
 
 @_topk_indices_op.register_fake
-def _(logits, k, ends, starts, block_table, row_request):
+def _(logits, k, ends, starts, block_table, row_request, target=None):
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
-                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, target: Target | str | None = None) -> torch.Tensor:
     """The k largest logits of each row among columns ``[starts, ends)`` (starts default 0): int32 [R, k].
 
     Values are positions relative to the row's start (request-local), -1 padded when a row has fewer than k
@@ -382,29 +418,31 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
         if width is not None and r and int(width.max()) > block_table.shape[1] * PAGE_SIZE:
             raise v.IndexerInputError(f"a row sees {int(width.max())} keys but block_table maps only "
                                       f"{block_table.shape[1] * PAGE_SIZE} positions")
-    fn = torch.ops.dsa_indexer.topk_indices if _compiling() else _topk_indices_op._init_fn
-    return fn(logits, k, ends, starts, block_table, row_request)
+    fn = torch.ops.dsa_indexer.topk_indices if _compiling() else _topk_indices_impl
+    return fn(logits, k, ends, starts, block_table, row_request, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # lightning_indexer (fused paged logits + top-k, for backends that have one)
-@torch.library.custom_op("dsa_indexer::lightning_indexer", mutates_args=())
-def _lightning_indexer_op(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool) -> torch.Tensor:
+def _lightning_indexer_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("heads", "dim", "next_n", "k", "fp8", "slots"), q.shape[2], q.shape[3], q.shape[1], k,
                        _fp8_name(q.dtype), return_slots)
-    return _run("lightning_indexer", q, problem, q, kv_cache, weights, context_lens, block_table, max_context_len, k,
+    return _run("lightning_indexer", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len, k,
                 return_slots)
 
 
+_lightning_indexer_op = torch.library.custom_op("dsa_indexer::lightning_indexer", mutates_args=())(_lightning_indexer_impl)
+
+
 @_lightning_indexer_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots):
+def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, target=None):
     return q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32)
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                       block_table: torch.Tensor, max_context_len: int, k: int, *,
-                      return_slots: bool = False) -> torch.Tensor:
+                      return_slots: bool = False, target: Target | str | None = None) -> torch.Tensor:
     """Paged logits + top-k in one op: int32 [B*N, k] request-local positions, -1 padded (same contract as
     `paged_mqa_logits` followed by `topk_indices` with ends = context_lens). ``return_slots=True`` returns
     physical cache slots ``block_table[b, pos // 64] * 64 + pos % 64`` instead (-1 stays -1), what FlashMLA's
@@ -413,26 +451,28 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     v.positive_int("k", k)
     if not isinstance(return_slots, bool):
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
-    fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_op._init_fn
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots)
+    fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_impl
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # c4_compress_pool
-@torch.library.custom_op("dsa_indexer::c4_compress_pool", mutates_args=("state",))
-def _c4_compress_pool_op(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _c4_compress_pool_impl(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
+                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem(("dim", "window"), ape.shape[1] // 2, state.shape[1])
-    return _run("c4_compress_pool", proj, problem, proj, state, ape, positions, row_request, state_slot, rows)
+    return _run("c4_compress_pool", proj, problem, target, proj, state, ape, positions, row_request, state_slot, rows)
+
+
+_c4_compress_pool_op = torch.library.custom_op("dsa_indexer::c4_compress_pool", mutates_args=("state",))(_c4_compress_pool_impl)
 
 
 @_c4_compress_pool_op.register_fake
-def _(proj, state, ape, positions, row_request, state_slot, rows):
+def _(proj, state, ape, positions, row_request, state_slot, rows, target=None):
     return proj.new_empty((rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16)
 
 
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
     """DeepSeek-V4 C4 compressor pooling of one step (`dsa_indexer.compressor` states the math).
 
     ``proj [T, 4d]`` fp32: ``[wkv(x) | wgate(x)]`` of the step's rows (no ape); ``state [S + 1, 8, 4d]`` fp32: the
@@ -454,5 +494,5 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     v.in_range("rows", rows, 0, t, "rows of proj")
     v.in_range("state_slot", state_slot, -1, state.shape[0] - 1, "state slots, -1 = padding")
     v.in_range("positions", positions, 0, 1 << 62, "token positions")
-    fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_op._init_fn
-    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows)
+    fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_impl
+    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows, target=_target_name(target))

@@ -49,8 +49,10 @@ def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedA
         if reason is None:
             quant = (q_lora_quant.data, q_lora_quant.scales)
     if quant is None:
-        quant = ops.quant_fp8_groups(q_lora, wanted.group_size, ue8m0=wanted.ue8m0, fp8_dtype=wanted.fp8_dtype)
-    return ops.gemm_fp8_blockscale(quant[0], quant[1], wq_b.weight, wq_b.weight_scale_inv, q_lora.dtype)
+        quant = ops.quant_fp8_groups(q_lora, wanted.group_size, ue8m0=wanted.ue8m0, fp8_dtype=wanted.fp8_dtype,
+                                     target=indexer.target)
+    return ops.gemm_fp8_blockscale(quant[0], quant[1], wq_b.weight, wq_b.weight_scale_inv, q_lora.dtype,
+                                   target=indexer.target)
 
 
 def project_x(indexer: "Indexer", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,7 +76,8 @@ def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions:
         head_weights = F.linear(x, indexer.weights_proj.weight)
     q = project_q(indexer, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
     return ops.q_prologue(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, rope_offset=cfg.rope_offset,
-                          interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype)
+                          interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype,
+                          target=indexer.target)
 
 
 def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
@@ -87,7 +90,7 @@ def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
         return
     cfg = indexer.config
     if isinstance(key_store, CompressionStep):
-        indexer.compressor.step(x, key_store, kv_cache, indexer.cos_sin, indexer.fp8_dtype)
+        indexer.compressor.step(x, key_store, kv_cache, indexer.cos_sin, indexer.fp8_dtype, indexer.target)
         return
     slot_mapping = key_store
     if k is None:
@@ -96,7 +99,7 @@ def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
     norm_b = indexer.k_norm.bias if indexer.k_norm is not None else None
     ops.k_prologue_store(k, norm_w, norm_b, cfg.norm_eps, positions, indexer.cos_sin, kv_cache, slot_mapping,
                          rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0,
-                         fp8_dtype=indexer.fp8_dtype, norm=cfg.k_norm)
+                         fp8_dtype=indexer.fp8_dtype, norm=cfg.k_norm, target=indexer.target)
 
 
 def single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant):

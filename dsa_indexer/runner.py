@@ -20,7 +20,7 @@ from .cache import PAGE_SIZE, IndexKCache
 from .compressor import CompressorState
 from .config import MODELS
 from .dispatch.plugins import default_registry
-from .dispatch.target import detect_target
+from .dispatch.target import Target, detect_target
 from .indexer import Indexer
 from . import ops
 from .ops import OPS
@@ -38,6 +38,7 @@ class RunSettings:
     next_n: int = 1
     seed: int = 0
     verify: bool = True
+    target: Target | None = None  # simulate this target for resolution (kernels still run on the device)
 
 
 def _sync(device: torch.device) -> None:
@@ -98,11 +99,11 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     torch.manual_seed(settings.seed)
     max_len = context + steps * next_n + prefill_new + 1
     cfg = dataclasses.replace(base, max_position=max(base.max_position if on_gpu else 0, max_len))
-    target = detect_target(device)
+    target = detect_target(device, settings.target)
     print(f"dsa-indexer run: {cfg.name} on {device} (target {target}), batch {batch} x context {context}, "
           f"next_n {next_n}, {steps} decode steps, prefill {prefill_new} new tokens after a {context}-token prefix"
           + (f"; C4 keys: one per {ratio} tokens, top-{cfg.topk}" if ratio > 1 else ""))
-    indexer = Indexer(cfg, device=device).init_random(settings.seed)
+    indexer = Indexer(cfg, device=device, target=target).init_random(settings.seed)
     pages_per_req = -(-(max_len // ratio + 1) // PAGE_SIZE)
     num_pages = (batch + 1) * pages_per_req
     cache = IndexKCache.allocate(num_pages, device, indexer.fp8_dtype)
@@ -116,7 +117,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
 
     def step_inputs(n: int):
         """x and the normed q_lora with attention's fp8 copy of it, as a model would pass them."""
-        q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(random_rows(n, cfg.q_lora_rank), q_norm, 1e-6)
+        q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(random_rows(n, cfg.q_lora_rank), q_norm, 1e-6, target=target)
         return random_rows(n, cfg.hidden_size), q_lora, q_lora_quant
 
     clock = _Clock(device)

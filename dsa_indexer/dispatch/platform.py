@@ -40,6 +40,7 @@ class Platform:
     default_device: str | None = None  # the torch device type used when a device must be guessed
     is_accelerator: bool = True  # False for the CPU: the reference is not a slow fallback there
     names: str = ""  # the names parse accepts, for error messages
+    distributions: tuple[str, ...] = ()  # the vendor's Python packages whose versions `dsa-indexer info` shows
 
     def fp8_dtype(self, arch: str) -> torch.dtype:
         return self.fp8_dtypes.get(arch, torch.float8_e4m3fn)

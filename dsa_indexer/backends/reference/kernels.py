@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ...cache import PAGE_SIZE, page_views, store_rows
+from ...cache import PAGE_SIZE, indices_to_slots, page_views, store_rows  # noqa: F401 (indices_to_slots: re-exported)
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20
@@ -179,15 +179,6 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         visible = cols[:length] < context_lens.reshape(batch, next_n)[b, :, None].long()
         out[rows, :length] = torch.where(visible, logits, out[rows, :length])
     return out
-
-
-def indices_to_slots(indices: torch.Tensor, block_table: torch.Tensor, row_request: torch.Tensor) -> torch.Tensor:
-    """Request-local positions -> physical cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays."""
-    valid = indices >= 0
-    pos = indices.clamp_min(0).long()
-    pages = block_table.long()[row_request.long()[:, None], pos // PAGE_SIZE]
-    slots = pages * PAGE_SIZE + pos % PAGE_SIZE
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
