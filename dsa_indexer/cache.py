@@ -68,6 +68,11 @@ def indices_to_slots(indices: torch.Tensor, block_table: torch.Tensor, row_reque
     return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
+def decode_row_requests(batch: int, next_n: int, device: torch.device) -> torch.Tensor:
+    """The request of each decode row (row = b * next_n + n): int32 [batch * next_n]."""
+    return torch.arange(batch, dtype=torch.int32, device=device).repeat_interleave(next_n)
+
+
 def _check_fp8(fp8_dtype: torch.dtype) -> None:
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")

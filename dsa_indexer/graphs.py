@@ -31,6 +31,7 @@ import torch
 
 from .batch import DecodeBatch
 from .cache import PAGE_SIZE, IndexKCache
+from .config import IndexerConfig
 from .validate import IndexerInputError, tensor as check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -190,9 +191,7 @@ class DecodeGraph:
         ``max_context_len``: the logits width (keys), fixed for the graph's life; the block table gets
         ``ceil(max_context_len / 64)`` pages per request. ``pool``: a `torch.cuda.graph_pool_handle()` to share
         memory with other graphs. ``compressor_state``: the layer's `CompressorState` (C4 indexers only)."""
-        from .indexer import Indexer
-
-        if not isinstance(indexer, Indexer):
+        if not isinstance(getattr(indexer, "config", None), IndexerConfig) or not callable(indexer):
             raise IndexerInputError(f"indexer must be an Indexer, got {type(indexer).__name__}")
         if not isinstance(cache, IndexKCache):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")

@@ -217,3 +217,23 @@ def test_concurrent_resolution_is_consistent():
     assert not errors
     for heads, chosen in results:
         assert chosen == ("op.vendor.heads" if heads in (32, 64) else "op.reference.torch")
+
+
+def test_an_installed_vendor_library_that_fails_its_probe_warns_once():
+    """Installed but failing (a self-test, an import error) is a surprise: one RuntimeWarning with the reason;
+    not installed at all is the normal case elsewhere and stays quiet."""
+    import warnings
+
+    from dsa_indexer.dispatch import environment as env_module
+
+    env_module._warned.discard("fake_vendor_lib")
+    env = Environment(probes={"fake_vendor_lib": lambda: "self-test failed: wrong output"},
+                      libraries={"fake_vendor_lib": "torch", "absent_lib": "no_such_module_here"})
+    with pytest.warns(RuntimeWarning, match="torch is installed but not usable.*self-test failed"):
+        assert env.missing("fake_vendor_lib") == "self-test failed: wrong output"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env2 = Environment(probes={"fake_vendor_lib": lambda: "again"}, libraries={"fake_vendor_lib": "torch"})
+        env2.missing("fake_vendor_lib")  # once per process
+        Environment(probes={"absent_lib": lambda: "not installed"},
+                    libraries={"absent_lib": "no_such_module_here"}).missing("absent_lib")

@@ -93,3 +93,36 @@ def test_allow_list_and_autoload_switch(monkeypatch):
     reg = Registry(environment=Environment.simulated())
     load_plugins(reg)
     assert reg.plugins_failed == []
+
+
+def test_a_new_vendor_is_one_folder_a_platform_and_a_backend(monkeypatch):
+    """tests/plugins/acme_vendor adds a vendor: its platform parses its archs and says its fp8 flavour, its
+    backend serves them; dispatch is not touched."""
+    from pathlib import Path
+
+    from dsa_indexer.dispatch import parse_target, register_platform
+    from dsa_indexer.dispatch.platform import unregister_platform
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins" / "acme_vendor"))
+    import dsa_indexer_acme
+    from dsa_indexer_acme.platform import PLATFORM
+
+    register_platform(PLATFORM)
+    try:
+        target = parse_target("acme1")
+        assert target.vendor == "acme" and target.is_gpu
+        assert parse_target("acme2").fp8_dtype == torch.float8_e4m3fnuz
+        reg = Registry(environment=Environment.simulated(gpu=True))
+        load_plugins(reg, builtins=("dsa_indexer.backends.reference", "dsa_indexer_acme"), entry_points=False)
+        assert "dsa_indexer_acme" in reg.plugins_loaded
+        res = reg.resolve("topk_indices", target, Problem(k=4))
+        assert res.chosen.impl_id == "topk_indices.acme.torch_topk", res.explain()
+        logits = torch.randn(3, 20)
+        got = reg.function("topk_indices", target, Problem(k=4))(logits, 4, torch.tensor([20, 3, 11]))
+        ref = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=4))(logits, 4, torch.tensor([20, 3, 11]))
+        assert [sorted(r) for r in got.tolist()] == [sorted(r) for r in ref.tolist()]
+    finally:
+        unregister_platform("acme")
+    with pytest.raises(ValueError, match="unknown target"):
+        parse_target("acme1")
+    assert dsa_indexer_acme.ARCH == "acme1"

@@ -7,6 +7,7 @@ pip-installed find them too); dispatch reads this list and names none of them.
 """
 
 BUILTIN_PACKAGES = (
+    "dsa_indexer.generic",  # the generic strategies (single-stream pipeline, composed lightning indexer)
     "dsa_indexer.backends.reference",
     "dsa_indexer.backends.triton",
     "dsa_indexer.backends.cuda",

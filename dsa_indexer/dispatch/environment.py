@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import warnings
 from typing import Callable, Mapping
 
 import torch
@@ -64,11 +65,34 @@ def default_probes() -> dict[str, Probe]:
     return {**BUILTIN_PROBES, **vendor_probes()}
 
 
+_warned: set[str] = set()
+
+
+def _warn_if_installed(fact: str, module: str, reason: str) -> None:
+    """A vendor library that is installed but fails its probe or self-test is a surprise: say so once, with the
+    reason (its implementations then fall back to the next candidate)."""
+    if fact in _warned:
+        return
+    try:
+        installed = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        installed = False
+    if installed:
+        _warned.add(fact)
+        warnings.warn(f"dsa_indexer: {module} is installed but not usable, so its implementations are skipped: "
+                      f"{reason}", RuntimeWarning, stacklevel=3)
+
+
 class Environment:
     """A mapping fact -> None (usable) or the reason it is not; probed lazily and cached."""
 
     def __init__(self, probes: Mapping[str, Probe] | None = None, facts: Mapping[str, str | None] | None = None,
-                 name: str = "detected") -> None:
+                 name: str = "detected", libraries: Mapping[str, str] | None = None) -> None:
+        if libraries is None and probes is None:
+            from .platform import vendor_libraries
+
+            libraries = vendor_libraries()
+        self._libraries = dict(libraries or {})
         self._probes = dict(default_probes() if probes is None else probes)
         self._facts: dict[str, str | None] = dict(facts or {})
         self._lock = threading.Lock()
@@ -120,7 +144,9 @@ class Environment:
                 except Exception as exc:  # a probe must never take the host down
                     reason = f"probe for '{fact}' failed: {type(exc).__name__}: {exc}"
             self._facts[fact] = reason
-            return reason
+        if reason is not None and fact in self._libraries:
+            _warn_if_installed(fact, self._libraries[fact], reason)
+        return reason
 
     def __repr__(self) -> str:
         return f"Environment({self.name})"

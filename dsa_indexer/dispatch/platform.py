@@ -40,6 +40,7 @@ class Platform:
     default_device: str | None = None  # the torch device type used when a device must be guessed
     is_accelerator: bool = True  # False for the CPU: the reference is not a slow fallback there
     names: str = ""  # the names parse accepts, for error messages
+    libraries: Mapping[str, str] = field(default_factory=dict)  # fact -> module: installed but failing warns once
     distributions: tuple[str, ...] = ()  # the vendor's Python packages whose versions `dsa-indexer info` shows
 
     def fp8_dtype(self, arch: str) -> torch.dtype:
@@ -118,3 +119,11 @@ def vendor_probes() -> dict[str, "Probe"]:
     for platform in platforms():
         probes.update(platform.probes)
     return probes
+
+
+def vendor_libraries() -> dict[str, str]:
+    """fact -> importable module of every platform's vendor libraries."""
+    libraries: dict[str, str] = {}
+    for platform in platforms():
+        libraries.update(platform.libraries)
+    return libraries

@@ -33,5 +33,6 @@ def _detect(device: torch.device) -> Target | None:
 PLATFORM = Platform(
     vendor="cuda", archs=ARCHS, parse=_parse, detect=_detect, device_visible=_visible, default_device="cuda",
     probes={"deep_gemm": module_probe("deep_gemm", "pip install 'dsa-indexer[cuda]' or build upstream DeepGEMM")},
+    libraries={"deep_gemm": "deep_gemm", "flashinfer": "flashinfer"},
     distributions=("deep_gemm", "sgl-deep-gemm", "flashinfer-python"),
     names="a CUDA arch (sm90, sm100, sm120)")

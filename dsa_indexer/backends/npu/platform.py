@@ -39,5 +39,6 @@ def _detect(device: torch.device) -> Target | None:
 PLATFORM = Platform(
     vendor="npu", archs=("npu",), parse=_parse, detect=_detect, device_visible=_visible, default_device="npu",
     probes={"torch_npu": module_probe("torch_npu", "pip install 'dsa-indexer[npu]' with the CANN toolkit")},
+    libraries={"torch_npu": "torch_npu"},
     distributions=("torch_npu",),
     names="'npu' (optionally 'npu:<SoC>')")

@@ -28,11 +28,3 @@ def dsa_indexer_register(registry: Registry) -> None:
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
         registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
                                 description="pure torch, any device", info=info)(_factory(op))
-    # Composition of the dispatched logits and top-k ops: above the pure-torch oracle, below any fused kernel.
-    registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
-                            priority=REFERENCE_PRIORITY + 1,
-                            description="paged_mqa_logits then topk_indices, each resolved on its own"
-                            )(_factory("lightning_indexer_composed"))
-    from ...pipeline import register_single_stream
-
-    register_single_stream(registry)

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ...cache import PAGE_SIZE, indices_to_slots, page_views, store_rows  # noqa: F401 (indices_to_slots: re-exported)
+from ...cache import PAGE_SIZE, decode_row_requests, indices_to_slots, page_views, store_rows
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20
@@ -207,10 +207,6 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     return out
 
 
-def _row_requests(batch: int, next_n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(batch, dtype=torch.int32, device=device).repeat_interleave(next_n)
-
-
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                       block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
                       ) -> torch.Tensor:
@@ -219,21 +215,7 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     if not return_slots:
         return topk_indices(logits, k, context_lens.reshape(-1))
     return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
-                        _row_requests(q.shape[0], q.shape[1], q.device))
-
-
-def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
-                               context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                               k: int, return_slots: bool = False) -> torch.Tensor:
-    """Paged logits then top-k, each through the registry: the best logits kernel and the best top-k of the
-    target combine (DeepGEMM logits + Triton top-k, say) wherever no backend has a fused kernel."""
-    from ... import ops
-
-    logits = ops._paged_mqa_logits_op._init_fn(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    if not return_slots:
-        return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, None, None)
-    return ops._topk_indices_op._init_fn(logits, k, context_lens.reshape(-1), None, block_table,
-                                         _row_requests(q.shape[0], q.shape[1], q.device))
+                        decode_row_requests(q.shape[0], q.shape[1], q.device))
 
 
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,

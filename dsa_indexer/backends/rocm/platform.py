@@ -34,5 +34,6 @@ PLATFORM = Platform(
     vendor="rocm", archs=ARCHS, parse=_parse, detect=_detect, device_visible=_visible, default_device="cuda",
     fp8_dtypes=FP8_DTYPES,
     probes={"aiter": module_probe("aiter", "pip install 'dsa-indexer[rocm]' on a ROCm machine")},
+    libraries={"aiter": "aiter"},
     distributions=("amd-aiter",),
     names="a ROCm arch (gfx942, gfx950, gfx1250)")

@@ -1,0 +1,40 @@
+"""Generic strategies: compositions that run on every target by calling the ops through the registry.
+
+They are not kernels, so they live beside the pipeline rather than in a backend: the single-stream pipeline
+strategy (`pipeline.single_stream`) and the composed lightning indexer (paged logits, then top-k, each resolved on
+its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
+register through the same plugin hook as the backends (`dsa_indexer.backends.BUILTIN_PACKAGES` lists this module).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .cache import decode_row_requests
+from .dispatch.plugins import hookimpl
+from .dispatch.registry import Registry
+from .pipeline import register_single_stream
+
+COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
+
+
+def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                               context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                               k: int, return_slots: bool = False) -> torch.Tensor:
+    """``topk_indices(paged_mqa_logits(...))`` through the public ops (the registry picks each)."""
+    logits = ops.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    ends = context_lens.reshape(-1)
+    if not return_slots:
+        return ops.topk_indices(logits, k, ends)
+    return ops.topk_indices(logits, k, ends, block_table=block_table,
+                            row_request=decode_row_requests(q.shape[0], q.shape[1], q.device))
+
+
+@hookimpl
+def dsa_indexer_register(registry: Registry) -> None:
+    registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
+                            priority=COMPOSED_PRIORITY,
+                            description="paged_mqa_logits then topk_indices, each resolved on its own"
+                            )(lambda: lightning_indexer_composed)
+    register_single_stream(registry)
