@@ -38,7 +38,9 @@ def _problem_for(op: str, target, overrides: dict) -> Problem:
     if "fp8" in facts and target.fp8_dtype == torch.float8_e4m3fnuz:
         facts["fp8"] = "fnuz"  # the target's own flavour, as its platform says
     facts.update(overrides)
-    return Problem(**facts)
+    from . import ops
+
+    return ops.problem(op, **facts) if op in ops.PROBLEM_KEYS else Problem(**facts)
 
 
 def _parse_facts(items: Sequence[str]) -> dict:

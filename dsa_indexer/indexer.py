@@ -304,9 +304,7 @@ class Indexer(nn.Module):
 
     def gemm_input_layout(self, q_lora: torch.Tensor) -> Fp8GroupLayout:
         """The activation layout the resolved block-fp8 GEMM takes (what a reusable q_lora_quant must match)."""
-        w = self.wq_b.weight
-        problem = Problem(n=w.shape[0], k=w.shape[1], out=str(q_lora.dtype), fp8="fnuz" if
-                          self.fp8_dtype == torch.float8_e4m3fnuz else "fn")
+        problem = ops.gemm_problem(self.wq_b.weight, q_lora.dtype)  # the problem the GEMM op will build
         res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
         return layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)

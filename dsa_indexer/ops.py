@@ -22,20 +22,49 @@ from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
 from .quant import Fp8GroupLayout, QuantizedActivation
 
-OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
-       "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer", "c4_compress_pool")
 NORMS = ("layernorm", "rmsnorm", "none")
+
+# The facts of each op's call that may change which implementation serves it, written once: the ops build their
+# Problem from these keys, and `problem()` checks callers that build one by hand (the CLI's defaults, the Indexer's
+# question "which GEMM would run?").
+PROBLEM_KEYS: dict[str, tuple[str, ...]] = {
+    "quant_fp8_groups": ('group_size', 'ue8m0', 'fp8', 'width'),
+    "rmsnorm_quant_fp8": ('group_size', 'ue8m0', 'fp8', 'width'),
+    "q_prologue": ('heads', 'dim', 'rope_dim', 'interleaved', 'ue8m0', 'fp8'),
+    "k_prologue_store": ('dim', 'rope_dim', 'interleaved', 'norm', 'ue8m0', 'fp8'),
+    "gemm_fp8_blockscale": ('n', 'k', 'out', 'fp8'),
+    "ragged_mqa_logits": ('heads', 'dim', 'fp8'),
+    "paged_mqa_logits": ('heads', 'dim', 'next_n', 'fp8'),
+    "topk_indices": ('k', 'slots', 'starts'),
+    "lightning_indexer": ('heads', 'dim', 'next_n', 'k', 'fp8', 'slots'),
+    "c4_compress_pool": ('dim', 'window'),
+}
+
+OPS = tuple(PROBLEM_KEYS)
 
 _problems: dict[tuple, Problem] = {}
 
 
-def _problem(names: tuple[str, ...], *values) -> Problem:
-    """The interned Problem with these facts: a dict lookup on the hot path (a fresh Problem costs ~2 us)."""
-    key = (names, values)
+def _problem(op: str, *values) -> Problem:
+    """The interned Problem of ``op`` with these values: a dict lookup on the hot path (a fresh Problem costs ~2 us)."""
+    key = (op, values)
     problem = _problems.get(key)
     if problem is None:
-        problem = _problems.setdefault(key, Problem(**dict(zip(names, values))))
+        problem = _problems.setdefault(key, Problem(**dict(zip(PROBLEM_KEYS[op], values))))
     return problem
+
+
+def problem(op: str, **facts) -> Problem:
+    """A Problem of ``op`` from named facts, each one of the op's `PROBLEM_KEYS` (a subset is fine)."""
+    unknown = set(facts) - set(PROBLEM_KEYS.get(op, ()))
+    if op not in PROBLEM_KEYS or unknown:
+        raise v.IndexerInputError(f"op {op!r} has problem keys {PROBLEM_KEYS.get(op)}; got unknown {sorted(unknown)}")
+    return Problem(**facts)
+
+
+def gemm_problem(weight: torch.Tensor, out_dtype: torch.dtype) -> Problem:
+    """The `gemm_fp8_blockscale` problem of a GEMM with this fp8 weight [N, K] (what the op itself builds)."""
+    return _problem("gemm_fp8_blockscale", weight.shape[0], weight.shape[1], str(out_dtype), _fp8_name(weight.dtype))
 
 
 def _compiling() -> bool:
@@ -73,7 +102,7 @@ def _fp8_name(dtype: torch.dtype) -> str:
 # quant_fp8_groups
 def _quant_fp8_groups_impl(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dtype: torch.dtype
                          , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = _problem(("group_size", "ue8m0", "fp8", "width"), group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
+    problem = _problem("quant_fp8_groups", group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
     return _run("quant_fp8_groups", x, problem, target, x, group_size, ue8m0, fp8_dtype)
 
 
@@ -107,7 +136,7 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = Fa
 # rmsnorm_quant_fp8
 def _rmsnorm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
                           fp8_dtype: torch.dtype, target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = _problem(("group_size", "ue8m0", "fp8", "width"), group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
+    problem = _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
     return _run("rmsnorm_quant_fp8", x, problem, target, x, weight, eps, group_size, ue8m0, fp8_dtype)
 
 
@@ -155,7 +184,7 @@ def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch
 def _q_prologue_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                    weight_scale: float, rope_offset: int, interleaved: bool, ue8m0: bool, fp8_dtype: torch.dtype
                    , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = _problem(("heads", "dim", "rope_dim", "interleaved", "ue8m0", "fp8"), q.shape[1], q.shape[2],
+    problem = _problem("q_prologue", q.shape[1], q.shape[2],
                        cos_sin.shape[1], interleaved, ue8m0, _fp8_name(fp8_dtype))
     return _run("q_prologue", q, problem, target, q, positions, cos_sin, head_weights, weight_scale, rope_offset,
                 interleaved, ue8m0, fp8_dtype)
@@ -198,7 +227,7 @@ def _k_prologue_store_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor],
                          eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
                          fp8_dtype: torch.dtype, norm: str, target: Optional[str] = None) -> None:
-    problem = _problem(("dim", "rope_dim", "interleaved", "norm", "ue8m0", "fp8"), k.shape[1], cos_sin.shape[1],
+    problem = _problem("k_prologue_store", k.shape[1], cos_sin.shape[1],
                        interleaved, norm, ue8m0, _fp8_name(fp8_dtype))
     _run("k_prologue_store", k, problem, target, k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
          rope_offset, interleaved, ue8m0, fp8_dtype, norm)
@@ -251,7 +280,7 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
 # gemm_fp8_blockscale
 def _gemm_fp8_blockscale_impl(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                             out_dtype: torch.dtype, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("n", "k", "out", "fp8"), b.shape[0], b.shape[1], str(out_dtype), _fp8_name(a.dtype))
+    problem = _problem("gemm_fp8_blockscale", b.shape[0], b.shape[1], str(out_dtype), _fp8_name(a.dtype))
     return _run("gemm_fp8_blockscale", a, problem, target, a, a_scales, b, b_scales, out_dtype)
 
 
@@ -285,7 +314,7 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
 # ragged_mqa_logits
 def _ragged_mqa_logits_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                           ks: torch.Tensor, ke: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("heads", "dim", "fp8"), q.shape[1], q.shape[2], _fp8_name(q.dtype))
+    problem = _problem("ragged_mqa_logits", q.shape[1], q.shape[2], _fp8_name(q.dtype))
     return _run("ragged_mqa_logits", q, problem, target, q, k, k_scales, weights, ks, ke)
 
 
@@ -322,7 +351,7 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
 # paged_mqa_logits
 def _paged_mqa_logits_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                          block_table: torch.Tensor, max_context_len: int, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("heads", "dim", "next_n", "fp8"), q.shape[2], q.shape[3], q.shape[1], _fp8_name(q.dtype))
+    problem = _problem("paged_mqa_logits", q.shape[2], q.shape[3], q.shape[1], _fp8_name(q.dtype))
     return _run("paged_mqa_logits", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len)
 
 
@@ -373,7 +402,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 # topk_indices
 def _topk_indices_impl(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
                      block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor], target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("k", "slots", "starts"), k, block_table is not None, starts is not None)
+    problem = _problem("topk_indices", k, block_table is not None, starts is not None)
     return _run("topk_indices", logits, problem, target, logits, k, ends, starts, block_table, row_request)
 
 
@@ -426,7 +455,7 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 # lightning_indexer (fused paged logits + top-k, for backends that have one)
 def _lightning_indexer_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                           block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("heads", "dim", "next_n", "k", "fp8", "slots"), q.shape[2], q.shape[3], q.shape[1], k,
+    problem = _problem("lightning_indexer", q.shape[2], q.shape[3], q.shape[1], k,
                        _fp8_name(q.dtype), return_slots)
     return _run("lightning_indexer", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len, k,
                 return_slots)
@@ -459,7 +488,7 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
 # c4_compress_pool
 def _c4_compress_pool_impl(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                          row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem(("dim", "window"), ape.shape[1] // 2, state.shape[1])
+    problem = _problem("c4_compress_pool", ape.shape[1] // 2, state.shape[1])
     return _run("c4_compress_pool", proj, problem, target, proj, state, ape, positions, row_request, state_slot, rows)
 
 

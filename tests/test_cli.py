@@ -42,3 +42,21 @@ def test_run_small_main_job_verifies(model, tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["verified"] is True and data["q_lora_quant"]["reused"] == 2
     assert "verification against the reference backend" in capsys.readouterr().out
+
+
+def test_explain_rejects_a_problem_key_the_op_does_not_have(capsys):
+    assert main(["explain", "paged_mqa_logits", "--problem", "foo=1"]) == 2
+    err = capsys.readouterr().err
+    assert "problem keys ('heads', 'dim', 'next_n', 'fp8')" in err and "foo" in err
+
+
+def test_run_with_a_simulated_target_leaves_the_environment_alone(tmp_path, monkeypatch):
+    """`run --target` passes the target down (Indexer, ops); it never writes DSA_INDEXER_TARGET."""
+    import os
+
+    monkeypatch.delenv("DSA_INDEXER_TARGET", raising=False)
+    report = tmp_path / "r.json"
+    main(["run", "--target", "sm90", "--batch", "2", "--context", "300", "--steps", "1", "--prefill-tokens", "64",
+          "--json", str(report)])
+    assert "DSA_INDEXER_TARGET" not in os.environ
+    assert json.loads(report.read_text())["target"] == "sm90"

@@ -6,8 +6,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.registry import Registry
 
 REFERENCE_PRIORITY = 0
-REFERENCE_OPS = ("quant_fp8_groups", "rmsnorm_quant_fp8", "q_prologue", "k_prologue_store", "gemm_fp8_blockscale",
-                 "ragged_mqa_logits", "paged_mqa_logits", "topk_indices", "lightning_indexer", "c4_compress_pool")
+
 
 
 def _factory(name: str):
@@ -21,9 +20,10 @@ def _factory(name: str):
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
+    from ...ops import OPS
     from ...quant import GEMM_INPUT_LAYOUT
 
-    for op in REFERENCE_OPS:
+    for op in OPS:  # every op has its pure-torch oracle
         # The GEMM states the activation layout it takes: what a reusable q_lora_quant must match.
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
         registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
