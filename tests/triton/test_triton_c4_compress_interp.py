@@ -77,3 +77,4 @@ def test_state_roll_keeps_only_each_requests_last_8_positions():
     untouched = [s for s in range(5) if s not in (3, 1, 0, 4)]
     for s in untouched:
         assert torch.equal(rolled[s], state[s])
+

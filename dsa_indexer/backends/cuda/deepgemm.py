@@ -184,32 +184,11 @@ def detect_api(module: ModuleType) -> DeepGemmApi:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Masks
-if triton is not None:
-    @triton.jit
-    def _mask_tail_kernel(logits_ptr, row_stride, lens_ptr, width, BLOCK: tl.constexpr):
-        """-inf into columns [lens[row], width) of one row block; blocks left of the length store nothing."""
-        row = tl.program_id(0)
-        start = tl.program_id(1) * BLOCK
-        length = tl.load(lens_ptr + row)
-        if start + BLOCK > length:
-            cols = start + tl.arange(0, BLOCK)
-            ninf = tl.full([BLOCK], float("-inf"), tl.float32)
-            tl.store(logits_ptr + row.to(tl.int64) * row_stride + cols, ninf, mask=(cols >= length) & (cols < width))
-
-
 def mask_tail_(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """In place: ``logits[r, c] = -inf`` for ``c >= lens[r]`` (``logits`` fp32 [R, W] with unit column stride)."""
-    rows, width = logits.shape
-    if rows == 0 or width == 0:
-        return logits
-    lens = lens.reshape(-1)
-    if logits.is_cuda and triton is not None and logits.stride(1) == 1 and logits.dtype == torch.float32:
-        block = 1024
-        _mask_tail_kernel[(rows, triton.cdiv(width, block))](logits, logits.stride(0), lens.to(torch.int32).contiguous(),
-                                                           width, BLOCK=block)
-        return logits
-    cols = torch.arange(width, device=logits.device)
-    return logits.masked_fill_(cols[None, :] >= lens.to(logits.device)[:, None], float("-inf"))
+    """In place: ``logits[r, c] = -inf`` for ``c >= lens[r]`` (``logits`` fp32 [R, W]): the shared column mask."""
+    from ..triton.masks import mask_columns_
+
+    return mask_columns_(logits, lens, use_triton=logits.is_cuda and triton is not None)
 
 
 def causal_lens_hold(context_lens: torch.Tensor) -> bool:

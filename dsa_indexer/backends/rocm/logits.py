@@ -104,36 +104,15 @@ def kernel_launcher(kernel: Any, num_warps: int = 4, num_stages: int = 2) -> Rag
 
 # ----------------------------------------------------------------------------------------------------------------
 # The -inf head mask: columns [lo, hi) of each row, hi - lo < 128
-if triton is not None:
-    @triton.jit
-    def _mask_head_kernel(logits_ptr, row_stride, lo_ptr, hi_ptr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        lo = tl.load(lo_ptr + row)
-        hi = tl.load(hi_ptr + row)
-        cols = lo + tl.arange(0, BLOCK)
-        ninf = tl.full([BLOCK], float("-inf"), tl.float32)
-        tl.store(logits_ptr + row.to(tl.int64) * row_stride + cols, ninf, mask=cols < hi)
-
-
 def mask_head_(logits: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, use_triton: bool | None = None
                ) -> torch.Tensor:
-    """In place: ``logits[r, c] = -inf`` for ``lo[r] <= c < hi[r]``, where ``0 <= hi - lo < 128``.
+    """In place: ``logits[r, c] = -inf`` for ``lo[r] <= c < hi[r]``, where ``0 <= hi - lo < 128`` (the shared
+    column mask with a narrow span). ``use_triton`` None: the kernel for GPU tensors, a torch mask otherwise."""
+    from ..triton.masks import mask_columns_
 
-    ``use_triton`` None: the Triton kernel for GPU tensors, a torch mask otherwise (True forces the kernel, e.g.
-    on CPU tensors under ``TRITON_INTERPRET=1``)."""
-    rows, width = logits.shape
-    if rows == 0 or width == 0:
-        return logits
     if use_triton is None:
         use_triton = logits.device.type != "cpu" and triton is not None
-    if use_triton and logits.stride(1) == 1:
-        _mask_head_kernel[(rows,)](logits, logits.stride(0), lo.to(torch.int32).contiguous(),
-                                   hi.to(torch.int32).contiguous(), BLOCK=BLOCK_KV)
-        return logits
-    cols = torch.arange(width, device=logits.device)[None, :]
-    lo, hi = lo.to(logits.device).long()[:, None], hi.to(logits.device).long()[:, None]
-    hide = (cols >= lo) & (cols < hi)
-    return logits.masked_fill_(hide, float("-inf"))
+    return mask_columns_(logits, lo, hi, span=BLOCK_KV, use_triton=use_triton)
 
 
 # ----------------------------------------------------------------------------------------------------------------
