@@ -24,7 +24,7 @@ from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
-from .pipeline import PIPELINE_OP, k_path
+from .pipeline import PIPELINE_OP, STEPS, k_path
 from .quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
 from .validate import IndexerInputError, tensor as check_tensor
@@ -140,6 +140,7 @@ class Indexer(nn.Module):
         # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
         self.fuse_x_projections = True
+        self.steps = STEPS  # the shared steps a pipeline strategy orders (pipeline.PipelineSteps)
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
 
     # --- weights ------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ PROBLEM_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 OPS = tuple(PROBLEM_KEYS)
+PIPELINE_OP = "indexer_pipeline"  # the pipeline strategy is resolved like an op (problem: tokens, decode, q_lora_quant)
 
 _problems: dict[tuple, Problem] = {}
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsa_indexer")
 
-PIPELINE_OP = "indexer_pipeline"
+PIPELINE_OP = ops.PIPELINE_OP
 
 
 class PipelineStrategy(Protocol):
@@ -110,6 +110,19 @@ def single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_qua
     head_weights, k = project_x(indexer, x)
     k_path(indexer, x, positions, key_store, kv_cache, k)
     return q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
+
+
+class PipelineSteps:
+    """The shared steps, handed to strategies through ``indexer.steps`` so a backend's strategy (dual stream) can
+    reorder them without importing the model layer."""
+
+    project_x = staticmethod(project_x)
+    q_path = staticmethod(q_path)
+    k_path = staticmethod(k_path)
+    single_stream = staticmethod(single_stream)
+
+
+STEPS = PipelineSteps()
 
 
 def register_single_stream(registry) -> None:

@@ -44,7 +44,7 @@ import torch
 
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
-from ...pipeline import PIPELINE_OP, k_path, project_x, q_path, single_stream
+from ...ops import PIPELINE_OP
 
 log = logging.getLogger("dsa_indexer")
 
@@ -137,18 +137,19 @@ def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
 def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager] | None = None) -> Callable:
     def dual_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
         """q path on the current stream, k path on the device's alt stream, joined before returning."""
+        steps = indexer.steps  # the model's shared steps (pipeline.PipelineSteps), not imported by this backend
         if x.device.type != "cuda":  # a simulated cuda target on host tensors: nothing to overlap
-            return single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
+            return steps.single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
         alt = alt_stream(x.device)
         head_weights = k = None
         if indexer.fuse_x_projections:
-            head_weights, k = project_x(indexer, x)  # one GEMM on main; the k path starts from its output
+            head_weights, k = steps.project_x(indexer, x)  # one GEMM on main; the k path starts from its output
         alt.wait_stream(main)
         with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
-            q_fp8, weights = q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
+            q_fp8, weights = steps.q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
         with torch.cuda.stream(alt):
-            k_path(indexer, x, positions, key_store, kv_cache, k)
+            steps.k_path(indexer, x, positions, key_store, kv_cache, k)
         main.wait_stream(alt)
         return q_fp8, weights
 
