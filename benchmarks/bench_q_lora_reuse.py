@@ -28,13 +28,21 @@ def replay_us(graph, replays=20, repeats=15) -> float:
     return statistics.median(samples)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cuda_bench_args(doc: str) -> argparse.Namespace | None:
+    """``--out`` and ``--context`` (default 32768) of a CUDA benchmark; None (after saying so) without CUDA."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--context", type=int, default=32768)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
+        return None
+    return args
+
+
+def main() -> int:
+    args = cuda_bench_args(__doc__)
+    if args is None:
         return 0
     from bench_pipeline import capture  # the same warm-up-then-capture as the pipeline benchmark
     from dsa_indexer import IndexerConfig, Indexer

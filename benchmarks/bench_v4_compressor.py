@@ -11,15 +11,13 @@ store_keys, medians of 5 runs. Also the compressor's fp32 projection GEMM alone 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-from bench_q_lora_reuse import replay_us
+from bench_q_lora_reuse import cuda_bench_args, replay_us
 
 
 def event_ms(fn, runs: int = 5) -> float:
@@ -36,12 +34,8 @@ def event_ms(fn, runs: int = 5) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--context", type=int, default=32768)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("needs CUDA")
+    args = cuda_bench_args(__doc__)
+    if args is None:
         return 0
     from bench_pipeline import capture
     from dsa_indexer import CompressorState, IndexerConfig, Indexer, PrefillBatch
