@@ -88,7 +88,7 @@ class RealKeys:
 
     def __init__(self, indexer, seed: int = 0) -> None:
         from dsa_indexer import IndexKCache
-        from dsa_indexer.cache import PAGE_SIZE
+        from dsa_indexer.contract.cache import PAGE_SIZE
         from dsa_indexer.pipeline import k_path
 
         cfg = indexer.config
@@ -308,7 +308,7 @@ class Bench:
         except Exception as exc:  # noqa: BLE001
             return {"skipped": f"deep_gemm does not import ({type(exc).__name__})"}
         from dsa_indexer.backends.reference.kernels import apply_rope, hadamard_matrix, quant_fp8_groups
-        from dsa_indexer.cache import page_views
+        from dsa_indexer.contract.cache import page_views
 
         ind, cfg = self.indexer, self.indexer.config
         had = hadamard_matrix(cfg.head_dim, torch.device("cuda"))

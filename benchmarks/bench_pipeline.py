@@ -96,7 +96,7 @@ def capture(fn, warmup: int = 2):
 def random_cache(pages: int, seed: int):
     """An index-K cache with random fp8 keys and positive scales (filled in chunks to bound temporaries)."""
     from dsa_indexer import IndexKCache
-    from dsa_indexer.cache import page_views
+    from dsa_indexer.contract.cache import page_views
 
     cache = IndexKCache.allocate(pages, device="cuda")
     keys, scales = page_views(cache.data)

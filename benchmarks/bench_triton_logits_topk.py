@@ -75,7 +75,7 @@ def scaled_mm_rate(quick: bool) -> dict:
 def _paged_inputs(batch: int, ctx: int, next_n: int):
     pages = batch * (-(-ctx // PAGE))
     kv_cache = torch.empty(pages, PAGE, 1, TOKEN_BYTES, dtype=torch.uint8, device="cuda")
-    from dsa_indexer.cache import page_views
+    from dsa_indexer.contract.cache import page_views
 
     keys, scales = page_views(kv_cache, FP8)
     keys.copy_(torch.randn(keys.shape, device="cuda").to(FP8))

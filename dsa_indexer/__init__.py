@@ -9,15 +9,15 @@ This file is the stable public API: it never changes when a backend is added.
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .cache import IndexKCache
+from .contract.cache import IndexKCache
 from .compressor import Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch import (Environment, Implementation, NoImplementationError, Problem, Registry, Resolution, Target,
                        default_registry, detect_target, hookimpl, parse_target)
 from .graphs import DecodeGraph
 from .indexer import Indexer
-from .quant import Fp8GroupLayout, QuantizedActivation
-from .validate import IndexerInputError
+from .contract.quant import Fp8GroupLayout, QuantizedActivation
+from .contract.validate import IndexerInputError
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,8 @@ def explain(op: str, target: str | Target | None = None, **problem) -> str:
     return default_registry().resolve(op, tgt, Problem(**problem)).explain()
 
 
-__all__ = ["Compressor", "CompressorState", "DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout", "Implementation", "IndexKCache", "Indexer", "IndexerConfig",
-           "IndexerInputError", "NoImplementationError", "PrefillBatch", "Problem", "QuantizedActivation", "Registry",
-           "Resolution", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops", "parse_target"]
+__all__ = ["Compressor", "CompressorState", "DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout",
+           "Implementation", "IndexKCache", "Indexer", "IndexerConfig", "IndexerInputError",
+           "NoImplementationError", "PrefillBatch", "Problem", "QuantizedActivation", "Registry",
+           "Resolution", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops",
+           "parse_target"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import PAGE_SIZE
-from .validate import IndexerInputError
+from .contract.cache import PAGE_SIZE
+from .contract.validate import IndexerInputError
 
 
 def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor:

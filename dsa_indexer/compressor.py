@@ -31,7 +31,7 @@ from torch import nn
 
 from . import ops
 from .config import IndexerConfig
-from .validate import IndexerInputError
+from .contract.validate import IndexerInputError
 
 RATIO = 4
 WINDOW = 2 * RATIO  # entry j pools tokens [4j - 4, 4j + 4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .cache import decode_row_requests
+from .contract.cache import decode_row_requests
 from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .pipeline import register_single_stream

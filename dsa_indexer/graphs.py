@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from .batch import DecodeBatch
-from .cache import PAGE_SIZE, IndexKCache
+from .contract.cache import PAGE_SIZE, IndexKCache
 from .config import IndexerConfig
-from .validate import IndexerInputError, tensor as check_tensor
+from .contract.validate import IndexerInputError, tensor as check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .cache import IndexKCache, indices_to_slots
+from .contract.cache import IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
@@ -25,9 +25,9 @@ from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
 from .pipeline import PIPELINE_OP, STEPS, k_path
-from .quant import Fp8GroupLayout, QuantizedActivation
+from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
-from .validate import IndexerInputError, tensor as check_tensor
+from .contract.validate import IndexerInputError, tensor as check_tensor
 
 log = logging.getLogger("dsa_indexer")
 
@@ -100,7 +100,7 @@ class Indexer(nn.Module):
 
     ``forward(x, q_lora, positions, batch, cache, q_lora_quant=None, compressor_state=None)`` -> int32 [T, topk]
     request-local key positions (compressed entry indices for V4's C4 indexer), -1 padded; `to_physical_slots` maps
-    them to cache slots. ``q_lora_quant`` is attention's fp8 copy of ``q_lora`` (see `dsa_indexer.quant`), reused
+    them to cache slots. ``q_lora_quant`` is attention's fp8 copy of ``q_lora`` (see `dsa_indexer.contract.quant`), reused
     for ``wq_b`` when its layout fits. A C4 indexer owns its key `Compressor` and needs ``compressor_state``
     (`CompressorState`): each step compresses and stores the entries its tokens complete.
     """

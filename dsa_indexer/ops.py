@@ -15,33 +15,25 @@ from typing import Optional
 
 import torch
 
-from . import validate as v
-from .cache import PAGE_SIZE, check_kv_cache
+from .contract import validate as v
+from .contract.cache import PAGE_SIZE, check_kv_cache
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
-from .quant import Fp8GroupLayout, QuantizedActivation
+from .contract.specs import PIPELINE_OP, PROBLEM_KEYS, SPECS  # noqa: F401 (PIPELINE_OP: re-exported)
+from .contract.quant import Fp8GroupLayout, QuantizedActivation
 
 NORMS = ("layernorm", "rmsnorm", "none")
 
-# The facts of each op's call that may change which implementation serves it, written once: the ops build their
-# Problem from these keys, and `problem()` checks callers that build one by hand (the CLI's defaults, the Indexer's
-# question "which GEMM would run?").
-PROBLEM_KEYS: dict[str, tuple[str, ...]] = {
-    "quant_fp8_groups": ('group_size', 'ue8m0', 'fp8', 'width'),
-    "rmsnorm_quant_fp8": ('group_size', 'ue8m0', 'fp8', 'width'),
-    "q_prologue": ('heads', 'dim', 'rope_dim', 'interleaved', 'ue8m0', 'fp8'),
-    "k_prologue_store": ('dim', 'rope_dim', 'interleaved', 'norm', 'ue8m0', 'fp8'),
-    "gemm_fp8_blockscale": ('n', 'k', 'out', 'fp8'),
-    "ragged_mqa_logits": ('heads', 'dim', 'fp8'),
-    "paged_mqa_logits": ('heads', 'dim', 'next_n', 'fp8'),
-    "topk_indices": ('k', 'slots', 'starts'),
-    "lightning_indexer": ('heads', 'dim', 'next_n', 'k', 'fp8', 'slots'),
-    "c4_compress_pool": ('dim', 'window'),
-}
-
 OPS = tuple(PROBLEM_KEYS)
-PIPELINE_OP = "indexer_pipeline"  # the pipeline strategy is resolved like an op (problem: tokens, decode, q_lora_quant)
+
+
+def _custom_op(name: str, impl):
+    """The custom op ``dsa_indexer::<name>`` over ``impl``, with the spec's fake and mutated arguments."""
+    spec = SPECS[name]
+    op = torch.library.custom_op(f"dsa_indexer::{name}", mutates_args=spec.mutates)(impl)
+    op.register_fake(spec.fake)
+    return op
 
 _problems: dict[tuple, Problem] = {}
 
@@ -107,17 +99,12 @@ def _quant_fp8_groups_impl(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dt
     return _run("quant_fp8_groups", x, problem, target, x, group_size, ue8m0, fp8_dtype)
 
 
-_quant_fp8_groups_op = torch.library.custom_op("dsa_indexer::quant_fp8_groups", mutates_args=())(_quant_fp8_groups_impl)
-
-
-@_quant_fp8_groups_op.register_fake
-def _(x, group_size, ue8m0, fp8_dtype, target=None):
-    return (torch.empty_like(x, dtype=fp8_dtype),
-            x.new_empty((*x.shape[:-1], x.shape[-1] // group_size), dtype=torch.float32))
+_quant_fp8_groups_op = _custom_op("quant_fp8_groups", _quant_fp8_groups_impl)
 
 
 def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = False,
-                     fp8_dtype: torch.dtype | None = None, target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     fp8_dtype: torch.dtype | None = None,
+                     target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group fp8 e4m3 quantization along the last dim: ``(x_fp8 like x, scales [..., N // group_size] f32)``.
 
     ``s = max(|group|, 1e-4) / fp8_max`` (448 for e4m3fn, 224 for e4m3fnuz), rounded up to a power of two when
@@ -136,18 +123,13 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = Fa
 # ----------------------------------------------------------------------------------------------------------------
 # rmsnorm_quant_fp8
 def _rmsnorm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
-                          fp8_dtype: torch.dtype, target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          fp8_dtype: torch.dtype,
+                            target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     problem = _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
     return _run("rmsnorm_quant_fp8", x, problem, target, x, weight, eps, group_size, ue8m0, fp8_dtype)
 
 
-_rmsnorm_quant_fp8_op = torch.library.custom_op("dsa_indexer::rmsnorm_quant_fp8", mutates_args=())(_rmsnorm_quant_fp8_impl)
-
-
-@_rmsnorm_quant_fp8_op.register_fake
-def _(x, weight, eps, group_size, ue8m0, fp8_dtype, target=None):
-    return (torch.empty_like(x), torch.empty_like(x, dtype=fp8_dtype),
-            x.new_empty((x.shape[0], x.shape[1] // group_size), dtype=torch.float32))
+_rmsnorm_quant_fp8_op = _custom_op("rmsnorm_quant_fp8", _rmsnorm_quant_fp8_impl)
 
 
 def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
@@ -191,17 +173,13 @@ def _q_prologue_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                 interleaved, ue8m0, fp8_dtype)
 
 
-_q_prologue_op = torch.library.custom_op("dsa_indexer::q_prologue", mutates_args=())(_q_prologue_impl)
-
-
-@_q_prologue_op.register_fake
-def _(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, ue8m0, fp8_dtype, target=None):
-    return torch.empty_like(q, dtype=fp8_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)
+_q_prologue_op = _custom_op("q_prologue", _q_prologue_impl)
 
 
 def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
-               fp8_dtype: torch.dtype | None = None, target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               fp8_dtype: torch.dtype | None = None,
+               target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE + Hadamard + per-head fp8 quant of q ``[T, H, D]``; folds the q scale into the head weights.
 
     Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * q_scale)``.
@@ -219,7 +197,8 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
     fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(q, _target_name(target)).fp8_dtype)
     fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_impl
-    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8, target=_target_name(target))
+    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8,
+              target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,23 +209,19 @@ def _k_prologue_store_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor],
                          fp8_dtype: torch.dtype, norm: str, target: Optional[str] = None) -> None:
     problem = _problem("k_prologue_store", k.shape[1], cos_sin.shape[1],
                        interleaved, norm, ue8m0, _fp8_name(fp8_dtype))
-    _run("k_prologue_store", k, problem, target, k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
+    _run("k_prologue_store", k, problem, target,
+         k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
          rope_offset, interleaved, ue8m0, fp8_dtype, norm)
 
 
-_k_prologue_store_op = torch.library.custom_op("dsa_indexer::k_prologue_store", mutates_args=("kv_cache",))(_k_prologue_store_impl)
-
-
-@_k_prologue_store_op.register_fake
-def _(k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved, ue8m0,
-      fp8_dtype, norm, target=None):
-    return None
+_k_prologue_store_op = _custom_op("k_prologue_store", _k_prologue_store_impl)
 
 
 def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
                      positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, *, rope_offset: int = 0, interleaved: bool = False,
-                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm", target: Target | str | None = None) -> None:
+                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm",
+                     target: Target | str | None = None) -> None:
     """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
 
     ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight) or "none" (V4 compressed keys,
@@ -285,12 +260,7 @@ def _gemm_fp8_blockscale_impl(a: torch.Tensor, a_scales: torch.Tensor, b: torch.
     return _run("gemm_fp8_blockscale", a, problem, target, a, a_scales, b, b_scales, out_dtype)
 
 
-_gemm_fp8_blockscale_op = torch.library.custom_op("dsa_indexer::gemm_fp8_blockscale", mutates_args=())(_gemm_fp8_blockscale_impl)
-
-
-@_gemm_fp8_blockscale_op.register_fake
-def _(a, a_scales, b, b_scales, out_dtype, target=None):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+_gemm_fp8_blockscale_op = _custom_op("gemm_fp8_blockscale", _gemm_fp8_blockscale_impl)
 
 
 def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -319,12 +289,7 @@ def _ragged_mqa_logits_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Te
     return _run("ragged_mqa_logits", q, problem, target, q, k, k_scales, weights, ks, ke)
 
 
-_ragged_mqa_logits_op = torch.library.custom_op("dsa_indexer::ragged_mqa_logits", mutates_args=())(_ragged_mqa_logits_impl)
-
-
-@_ragged_mqa_logits_op.register_fake
-def _(q, k, k_scales, weights, ks, ke, target=None):
-    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
+_ragged_mqa_logits_op = _custom_op("ragged_mqa_logits", _ragged_mqa_logits_impl)
 
 
 def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
@@ -353,15 +318,11 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
 def _paged_mqa_logits_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                          block_table: torch.Tensor, max_context_len: int, target: Optional[str] = None) -> torch.Tensor:
     problem = _problem("paged_mqa_logits", q.shape[2], q.shape[3], q.shape[1], _fp8_name(q.dtype))
-    return _run("paged_mqa_logits", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len)
+    return _run("paged_mqa_logits", q, problem, target,
+                q, kv_cache, weights, context_lens, block_table, max_context_len)
 
 
-_paged_mqa_logits_op = torch.library.custom_op("dsa_indexer::paged_mqa_logits", mutates_args=())(_paged_mqa_logits_impl)
-
-
-@_paged_mqa_logits_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, max_context_len, target=None):
-    return q.new_empty((q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32)
+_paged_mqa_logits_op = _custom_op("paged_mqa_logits", _paged_mqa_logits_impl)
 
 
 def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len) -> None:
@@ -390,7 +351,8 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                     block_table: torch.Tensor, max_context_len: int, *, target: Target | str | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor, max_context_len: int, *,
+                     target: Target | str | None = None) -> torch.Tensor:
     """Decode logits over the paged cache: q [B, N, H, 128] fp8, kv_cache uint8 [pages, 64, 1, 132],
     weights [B*N, H] f32, context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
     block_table [B, max_pages] int32. Returns [B*N, max_context_len] f32, -inf past each row's length."""
@@ -402,21 +364,18 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 # ----------------------------------------------------------------------------------------------------------------
 # topk_indices
 def _topk_indices_impl(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
-                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor], target: Optional[str] = None) -> torch.Tensor:
+                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor],
+                       target: Optional[str] = None) -> torch.Tensor:
     problem = _problem("topk_indices", k, block_table is not None, starts is not None)
     return _run("topk_indices", logits, problem, target, logits, k, ends, starts, block_table, row_request)
 
 
-_topk_indices_op = torch.library.custom_op("dsa_indexer::topk_indices", mutates_args=())(_topk_indices_impl)
-
-
-@_topk_indices_op.register_fake
-def _(logits, k, ends, starts, block_table, row_request, target=None):
-    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+_topk_indices_op = _custom_op("topk_indices", _topk_indices_impl)
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
-                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, target: Target | str | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None,
+                 target: Target | str | None = None) -> torch.Tensor:
     """The k largest logits of each row among columns ``[starts, ends)`` (starts default 0): int32 [R, k].
 
     Values are positions relative to the row's start (request-local), -1 padded when a row has fewer than k
@@ -455,19 +414,16 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 # ----------------------------------------------------------------------------------------------------------------
 # lightning_indexer (fused paged logits + top-k, for backends that have one)
 def _lightning_indexer_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool, target: Optional[str] = None) -> torch.Tensor:
+                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool,
+                            target: Optional[str] = None) -> torch.Tensor:
     problem = _problem("lightning_indexer", q.shape[2], q.shape[3], q.shape[1], k,
                        _fp8_name(q.dtype), return_slots)
-    return _run("lightning_indexer", q, problem, target, q, kv_cache, weights, context_lens, block_table, max_context_len, k,
+    return _run("lightning_indexer", q, problem, target,
+                q, kv_cache, weights, context_lens, block_table, max_context_len, k,
                 return_slots)
 
 
-_lightning_indexer_op = torch.library.custom_op("dsa_indexer::lightning_indexer", mutates_args=())(_lightning_indexer_impl)
-
-
-@_lightning_indexer_op.register_fake
-def _(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, target=None):
-    return q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32)
+_lightning_indexer_op = _custom_op("lightning_indexer", _lightning_indexer_impl)
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
@@ -482,27 +438,25 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     if not isinstance(return_slots, bool):
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
     fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_impl
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, target=_target_name(target))
+    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots,
+              target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # c4_compress_pool
 def _c4_compress_pool_impl(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
+                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor,
+                           target: Optional[str] = None) -> torch.Tensor:
     problem = _problem("c4_compress_pool", ape.shape[1] // 2, state.shape[1])
     return _run("c4_compress_pool", proj, problem, target, proj, state, ape, positions, row_request, state_slot, rows)
 
 
-_c4_compress_pool_op = torch.library.custom_op("dsa_indexer::c4_compress_pool", mutates_args=("state",))(_c4_compress_pool_impl)
-
-
-@_c4_compress_pool_op.register_fake
-def _(proj, state, ape, positions, row_request, state_slot, rows, target=None):
-    return proj.new_empty((rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16)
+_c4_compress_pool_op = _custom_op("c4_compress_pool", _c4_compress_pool_impl)
 
 
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
+                     row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, *,
+                     target: Target | str | None = None) -> torch.Tensor:
     """DeepSeek-V4 C4 compressor pooling of one step (`dsa_indexer.compressor` states the math).
 
     ``proj [T, 4d]`` fp32: ``[wkv(x) | wgate(x)]`` of the step's rows (no ape); ``state [S + 1, 8, 4d]`` fp32: the
@@ -525,4 +479,5 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     v.in_range("state_slot", state_slot, -1, state.shape[0] - 1, "state slots, -1 = padding")
     v.in_range("positions", positions, 0, 1 << 62, "token positions")
     fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_impl
-    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows, target=_target_name(target))
+    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows,
+              target=_target_name(target))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .compressor import CompressionStep
-from .quant import QuantizedActivation, reuse_rejection
+from .contract.quant import QuantizedActivation, reuse_rejection
 
 if TYPE_CHECKING:
     from .indexer import Indexer

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .batch import DecodeBatch, PrefillBatch
-from .cache import PAGE_SIZE, IndexKCache
+from .contract.cache import PAGE_SIZE, IndexKCache
 from .compressor import CompressorState
 from .config import MODELS
 from .dispatch.plugins import default_registry

@@ -6,7 +6,7 @@ import torch
 
 from . import ops
 from .batch import DecodeBatch
-from .cache import PAGE_SIZE, IndexKCache, page_views
+from .contract.cache import PAGE_SIZE, IndexKCache, page_views
 from .compressor import CompressorState
 from .config import IndexerConfig
 from .indexer import Indexer

@@ -20,12 +20,12 @@ from dsa_indexer.backends.cuda import GEMM_INPUT_LAYOUT
 from dsa_indexer.backends.cuda import deepgemm as dg_adapt
 from dsa_indexer.backends.cuda import dual_stream
 from dsa_indexer.backends.reference import kernels as ref
-from dsa_indexer.cache import PAGE_SIZE, store_rows
+from dsa_indexer.contract.cache import PAGE_SIZE, store_rows
 from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
 from dsa_indexer.graphs import DecodeBuffers, DecodeGraph
 from dsa_indexer.pipeline import single_stream
-from dsa_indexer.quant import Fp8GroupLayout, QuantizedActivation, reuse_rejection
-from dsa_indexer.validate import IndexerInputError
+from dsa_indexer.contract.quant import Fp8GroupLayout, QuantizedActivation, reuse_rejection
+from dsa_indexer.contract.validate import IndexerInputError
 
 SM90, SM100 = Target("cuda", "sm90"), Target("cuda", "sm100")
 WITH_DG = Environment.simulated(gpu=True, triton=True, deep_gemm=True)

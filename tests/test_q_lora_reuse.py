@@ -8,7 +8,7 @@ import torch
 
 from dsa_indexer import (CompressorState, DecodeBatch, Fp8GroupLayout, IndexerConfig, IndexKCache, Indexer, PrefillBatch,
                          QuantizedActivation, ops)
-from dsa_indexer.quant import PRODUCER_ROUNDED
+from dsa_indexer.contract.quant import PRODUCER_ROUNDED
 
 V32_TINY = IndexerConfig(name="v32-tiny", hidden_size=256, q_lora_rank=384, n_heads=4, topk=16, max_position=2048,
                          yarn=None)
@@ -21,7 +21,7 @@ def _setup(cfg, seed, wq_b_fp8=True):
     indexer = Indexer(cfg, wq_b_fp8=wq_b_fp8).init_random(seed)
     cache = IndexKCache.allocate(8)
     cache.data.copy_(torch.randint(0, 0x78, cache.data.shape, dtype=torch.uint8))  # finite random fp8 keys
-    from dsa_indexer.cache import page_views
+    from dsa_indexer.contract.cache import page_views
     page_views(cache.data)[1].copy_(torch.rand(8, 64) + 0.05)
     table = torch.randperm(8).to(torch.int32).view(2, 4)
     return indexer, cache, table

@@ -34,8 +34,8 @@ from dsa_indexer.backends.rocm import aiter_api
 from dsa_indexer.backends.rocm import logits as rocm_logits
 from dsa_indexer.backends.rocm import topk as rocm_topk
 from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
-from dsa_indexer.quant import PRODUCER_UNROUNDED
-from dsa_indexer.validate import IndexerInputError
+from dsa_indexer.contract.quant import PRODUCER_UNROUNDED
+from dsa_indexer.contract.validate import IndexerInputError
 
 GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
 NPU = Target("npu", "npu")

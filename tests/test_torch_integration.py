@@ -5,7 +5,7 @@ import torch
 
 import dsa_indexer.ops  # noqa: F401  (registers the dsa_indexer:: ops)
 from dsa_indexer import ops
-from dsa_indexer.cache import IndexKCache
+from dsa_indexer.contract.cache import IndexKCache
 from dsa_indexer.rope import cos_sin_table
 
 FP8 = torch.float8_e4m3fn
@@ -14,7 +14,7 @@ FP8 = torch.float8_e4m3fn
 def _paged_inputs(batch=2, next_n=1, heads=4, pages=6):
     cache = IndexKCache.allocate(pages)
     cache.data.copy_(torch.randint(0, 120, cache.data.shape, dtype=torch.uint8))  # finite fp8 bytes
-    from dsa_indexer.cache import page_views
+    from dsa_indexer.contract.cache import page_views
     page_views(cache.data)[1].copy_(torch.rand(pages, 64) + 0.1)
     q = torch.randn(batch, next_n, heads, 128).to(FP8)
     weights = torch.randn(batch * next_n, heads)

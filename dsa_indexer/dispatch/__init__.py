@@ -3,10 +3,10 @@
 from .environment import Environment
 from .plugins import default_registry, hookimpl, load_plugins
 from .problem import Problem, token_bucket
-from .registry import Candidate, Implementation, NoImplementationError, Registry, Resolution
 from .platform import Platform, register_platform
+from .registry import Candidate, Implementation, NoImplementationError, Registry, Resolution
 from .target import Target, detect_target, parse_target
 
-__all__ = ["Candidate", "Environment", "Implementation", "NoImplementationError", "Platform", "Problem", "Registry",
-           "Resolution", "Target", "default_registry", "detect_target", "hookimpl", "load_plugins", "parse_target", "register_platform",
-           "token_bucket"]
+__all__ = ["Candidate", "Environment", "Implementation", "NoImplementationError", "Platform", "Problem",
+           "Registry", "Resolution", "Target", "default_registry", "detect_target", "hookimpl",
+           "load_plugins", "parse_target", "register_platform", "token_bucket"]

@@ -18,7 +18,7 @@ from dsa_indexer import DecodeBatch, Environment, IndexKCache, Indexer, IndexerC
 from dsa_indexer.backends.cuda import deepgemm as dg_adapt
 from dsa_indexer.backends.cuda import dual_stream
 from dsa_indexer.backends.reference import kernels as ref
-from dsa_indexer.cache import PAGE_SIZE
+from dsa_indexer.contract.cache import PAGE_SIZE
 from dsa_indexer.dispatch.target import detect_target
 from dsa_indexer.graphs import DecodeGraph
 from dsa_indexer.pipeline import single_stream

@@ -53,7 +53,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable")
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.rocm import logits as rocm_logits  # noqa: E402
 from dsa_indexer.backends.rocm import quant as rocm_quant  # noqa: E402
-from dsa_indexer.quant import PRODUCER_UNROUNDED  # noqa: E402
+from dsa_indexer.contract.quant import PRODUCER_UNROUNDED  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.triton import logits as triton_logits  # noqa: E402
 from dsa_indexer.backends.triton import topk as triton_topk  # noqa: E402
-from dsa_indexer.cache import PAGE_SIZE, page_views  # noqa: E402
+from dsa_indexer.contract.cache import PAGE_SIZE, page_views  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 DEVICE = "cuda"

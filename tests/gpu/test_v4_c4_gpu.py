@@ -10,7 +10,7 @@ import torch
 import v4_oracle
 from dsa_indexer import CompressorState, DecodeBatch, IndexerConfig, IndexKCache, Indexer, PrefillBatch
 from dsa_indexer.backends.cuda import dual_stream
-from dsa_indexer.cache import PAGE_SIZE, gather_rows
+from dsa_indexer.contract.cache import PAGE_SIZE, gather_rows
 from dsa_indexer.pipeline import single_stream
 
 pytestmark = pytest.mark.gpu

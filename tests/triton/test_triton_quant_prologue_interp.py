@@ -29,7 +29,7 @@ from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.triton import gemm as tgemm  # noqa: E402
 from dsa_indexer.backends.triton import prologue as tprologue  # noqa: E402
 from dsa_indexer.backends.triton import quant as tquant  # noqa: E402
-from dsa_indexer.cache import PAGE_SIZE, page_views  # noqa: E402
+from dsa_indexer.contract.cache import PAGE_SIZE, page_views  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 FN, FNUZ = FP8

@@ -27,7 +27,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
-from ...quant import Fp8GroupLayout
+from ...contract.quant import Fp8GroupLayout
 
 DEEPGEMM_PRIORITY = 200
 DEEPGEMM_TARGETS = ("sm90", "sm100")

@@ -46,8 +46,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...cache import PAGE_SIZE
-from ...validate import IndexerInputError, ranges_checked
+from ...contract.cache import PAGE_SIZE
+from ...contract.validate import IndexerInputError, ranges_checked
 
 log = logging.getLogger("dsa_indexer")
 
@@ -360,7 +360,7 @@ def _paged_case(device: torch.device, next_n: int = 2, heads: int = 64, seed: in
     """A tiny decode problem: 2 requests of different lengths, all block-table entries valid pages (so an API
     that misreads the lengths reads wrong but in-bounds pages), DecodeBatch lengths."""
     from ..reference import kernels as ref
-    from ...cache import store_rows
+    from ...contract.cache import store_rows
 
     gen = torch.Generator().manual_seed(seed)
     batch, pages_per_req, dim = 2, 4, 128

@@ -21,7 +21,7 @@ from .topk import topk_indices
 
 def _row_requests(context_lens: torch.Tensor) -> torch.Tensor:
     """Row b * next_n + j -> request b, made once per step (memoized on the step's context_lens)."""
-    from ...cache import decode_row_requests as make
+    from ...contract.cache import decode_row_requests as make
 
     batch, next_n = context_lens.shape
     return step_memo(context_lens, ("row_requests",), lambda: make(batch, next_n, context_lens.device))

@@ -24,7 +24,7 @@ import importlib
 
 import torch
 
-from ... import validate as v
+from ...contract import validate as v
 
 HEADS = 64  # the kernel's supported query head count
 HEAD_DIM = 128

@@ -21,7 +21,7 @@ def _factory(name: str):
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     from ...ops import OPS
-    from ...quant import GEMM_INPUT_LAYOUT
+    from ...contract.quant import GEMM_INPUT_LAYOUT
 
     for op in OPS:  # every op has its pure-torch oracle
         # The GEMM states the activation layout it takes: what a reusable q_lora_quant must match.

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ...cache import PAGE_SIZE, decode_row_requests, indices_to_slots, page_views, store_rows
+from ...contract.cache import PAGE_SIZE, decode_row_requests, indices_to_slots, page_views, store_rows
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from ... import validate as v
-from ...quant import PRODUCER_UNROUNDED, Fp8GroupLayout, QuantizedActivation
+from ...contract import validate as v
+from ...contract.quant import PRODUCER_UNROUNDED, Fp8GroupLayout, QuantizedActivation
 
 GROUP_SIZE = 128
 FUSED_QUANT_MODULES = ("aiter.ops.triton.fused_fp8_quant", "aiter.ops.triton.quant.fused_fp8_quant")

@@ -82,7 +82,7 @@ def make_topk_indices(top_k_per_row_decode: Callable | None = None) -> Callable[
             top_k_per_row_decode(logits, 1, ends.to(torch.int32).contiguous(), out, rows, logits.stride(0),
                                  logits.stride(1), **extra)
         if block_table is not None:
-            from ...cache import indices_to_slots
+            from ...contract.cache import indices_to_slots
 
             req = torch.arange(rows, device=logits.device) if row_request is None else row_request
             out = indices_to_slots(out, block_table, req)

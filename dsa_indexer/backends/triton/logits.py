@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
+from ...contract.cache import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
 
 # Query rows x heads per MMA tile of the ragged kernel (its N side): 128 = 2 rows of 64 heads.
 _RAGGED_TILE_COLS = 128

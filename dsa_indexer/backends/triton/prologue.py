@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import PAGE_BYTES, PAGE_SIZE, page_views
+from ...contract.cache import PAGE_BYTES, PAGE_SIZE, page_views
 from .quant import fp8_group_scale, fp8_max, fp8_min_exp, interpreted, quantize_groups
 
 HEAD_DIM = 128

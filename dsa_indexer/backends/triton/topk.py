@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import PAGE_SIZE
+from ...contract.cache import PAGE_SIZE
 from .logits import _next_pow2, _sm_count, paged_mqa_logits
 
 _BINS = 256
@@ -590,7 +590,7 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not return_slots:
         return topk_indices(logits, k, context_lens.reshape(-1))
-    from ...cache import decode_row_requests as _row_requests
+    from ...contract.cache import decode_row_requests as _row_requests
 
     return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
                         _row_requests(q.shape[0], q.shape[1], q.device))
