@@ -110,7 +110,7 @@ def test_detected_api_without_an_op_rejects_it(monkeypatch):
     registry = Registry()  # fresh: resolutions are cached, and the probe runs before the first one in real use
     load_plugins(registry, entry_points=False)
     api = dg_adapt.DeepGemmApi(version="9.9-fake", gemm_fn="gemm_fp8_fp8_bf16_nt")
-    monkeypatch.setattr(dg_adapt, "_detected", (types.ModuleType("deep_gemm"), api))
+    monkeypatch.setattr(dg_adapt.LIBRARY, "detected", (types.ModuleType("deep_gemm"), api))
     res = registry.resolve("paged_mqa_logits", SM90, Problem(**PAGED), environment=WITH_DG)
     assert "has no paged_mqa_logits function" in _candidate(res, "paged_mqa_logits.cuda.deepgemm").reason
     res = registry.resolve("gemm_fp8_blockscale", SM90, Problem(**GEMM), environment=WITH_DG)
@@ -558,7 +558,7 @@ def _pretend_gpu(monkeypatch, fake):
     monkeypatch.setattr(torch.version, "hip", None)
     real = dg_adapt.self_test
     monkeypatch.setattr(dg_adapt, "self_test", lambda module, api, device: real(module, api, "cpu"))
-    monkeypatch.setattr(dg_adapt, "_detected", None)
+    monkeypatch.setattr(dg_adapt.LIBRARY, "detected", None)
 
 
 def test_probe_records_the_self_tested_api_and_reports_failures(monkeypatch):
@@ -582,7 +582,7 @@ def test_probe_records_the_self_tested_api_and_reports_failures(monkeypatch):
 
 def test_registry_builds_the_adapter_from_the_installed_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", _fake_module("fp8_fp4"))
-    monkeypatch.setattr(dg_adapt, "_detected", None)
+    monkeypatch.setattr(dg_adapt.LIBRARY, "detected", None)
     reg = Registry()
     load_plugins(reg, entry_points=False)
     reg.set_environment(Environment.simulated(gpu=True, triton=True, deep_gemm=True))

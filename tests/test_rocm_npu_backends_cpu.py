@@ -162,14 +162,14 @@ def test_detected_api_decides_availability(registry, monkeypatch):
     probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed")
     full = aiter_api.AiterApi(version="0.0-fake", fp8_dtype=torch.float8_e4m3fn, ragged_wrapper="w",
                               topk_decode="t")
-    monkeypatch.setattr(aiter_api, "_detected", full)
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", (None, full))
     assert registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950),
                             environment=probed).chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
     res = registry.resolve("ragged_mqa_logits", GFX942, _ragged(GFX942), environment=probed)
     assert "this aiter build uses float8_e4m3fn, target gfx942 takes float8_e4m3fnuz" in \
         _candidate(res, "ragged_mqa_logits.rocm.aiter").reason
-    monkeypatch.setattr(aiter_api, "_detected", aiter_api.AiterApi(version="0.0-fake", fp8_dtype=torch.float8_e4m3fn,
-                                                                   ragged_wrapper="w", ragged_self_test="boom"))
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", (None, aiter_api.AiterApi(
+        version="0.0-fake", fp8_dtype=torch.float8_e4m3fn, ragged_wrapper="w", ragged_self_test="boom")))
     probed2 = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed2")
     res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950), environment=probed2)
     assert _candidate(res, "ragged_mqa_logits.rocm.aiter").reason.endswith("self-test failed: boom")
@@ -202,7 +202,7 @@ def _real_module_installed(name: str) -> bool:
 
 
 def test_aiter_probe_returns_reasons_and_never_raises(monkeypatch):
-    monkeypatch.setattr(aiter_api, "_detected", None)
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
     if not _real_module_installed("aiter"):
         monkeypatch.delitem(sys.modules, "aiter", raising=False)
         assert aiter_api.probe().startswith("aiter is not installed (")
@@ -230,7 +230,7 @@ def _pretend_rocm_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     real = aiter_api.self_test
     monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
-    monkeypatch.setattr(aiter_api, "_detected", None)
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
 
 
 def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch):

@@ -35,11 +35,8 @@ Output contracts (the reference's):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import logging
-import sys
-import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -48,6 +45,7 @@ import torch
 
 from ...contract.cache import PAGE_SIZE
 from ...contract.validate import IndexerInputError, ranges_checked
+from ...dispatch.vendor import VendorLibrary
 
 log = logging.getLogger("dsa_indexer")
 
@@ -431,72 +429,52 @@ def self_test(module: ModuleType, api: DeepGemmApi, device: torch.device | str) 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The environment fact "deep_gemm"
-_lock = threading.Lock()
-_detected: tuple[ModuleType, DeepGemmApi] | None = None
+# The environment fact "deep_gemm" (the shared vendor-library probe, dispatch/vendor.py)
+def _device_check() -> str | None:
+    if torch.version.hip:
+        return "deep_gemm is NVIDIA-only and this torch is a ROCm build"
+    if not torch.cuda.is_available():
+        return "deep_gemm is installed but torch sees no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        return f"deep_gemm's kernels need sm90 or sm100; this GPU is sm{major}{minor}"
+    return None
+
+
+def _usable(api: DeepGemmApi) -> str | None:
+    if api.generation == "none":
+        return (f"deep_gemm {api.version} exposes none of the APIs this backend adapts ({PAGED_NEW}, {PAGED_LEGACY}, "
+                f"{RAGGED_NEW}, {RAGGED_LEGACY}, {', '.join(GEMM_NAMES)})")
+    return None
+
+
+# The lambdas look the functions up at call time, so tests can patch this module's detect_api / self_test.
+LIBRARY = VendorLibrary(module="deep_gemm", install_hint=INSTALL_HINT, device_check=_device_check,
+                        detect=lambda module: detect_api(module), usable=_usable,
+                        self_test=lambda module, api, device: self_test(module, api, device),
+                        describe=lambda api: f"deep_gemm {api.version}" if isinstance(api, DeepGemmApi) else
+                        "deep_gemm")
 
 
 def detected_api() -> DeepGemmApi | None:
     """The API the probe found and self-tested in this process (None before the probe ran or when it failed)."""
-    return _detected[1] if _detected is not None else None
+    return LIBRARY.detected_api()
 
 
 def api_for(module: ModuleType) -> DeepGemmApi:
     """The API to build adapters for: the self-tested one when the probe ran on this module, else detection by
     names alone (legacy paged logits then take the 1-D lengths, right for DecodeBatch semantics)."""
-    if _detected is not None and _detected[0] is module:
-        return _detected[1]
+    if LIBRARY.detected is not None and LIBRARY.detected[0] is module:
+        return LIBRARY.detected[1]
     return detect_api(module)
-
-
-def _installed() -> bool:
-    if "deep_gemm" in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec("deep_gemm") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def probe() -> str | None:
     """None when deep_gemm imports, exposes an API the adapters know and passes the self-test on this GPU;
     else the reason. Runs once per process (the environment caches the answer)."""
-    global _detected
-    if not _installed():
-        return f"deep_gemm is not installed ({INSTALL_HINT})"
-    if torch.version.hip:
-        return "deep_gemm is NVIDIA-only and this torch is a ROCm build"
-    if not torch.cuda.is_available():
-        return "deep_gemm is installed but torch sees no CUDA device"
-    if torch.cuda.is_current_stream_capturing():
-        # The self-test syncs with the host, which would break the capture. The answer is cached, so warn.
-        reason = ("deep_gemm was first resolved inside CUDA-graph capture, where its self-test cannot run; "
-                  "run the step once eagerly before capturing")
-        log.warning("dsa_indexer: %s", reason)
-        return reason
-    major, minor = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        return f"deep_gemm's kernels need sm90 or sm100; this GPU is sm{major}{minor}"
-    try:
-        import deep_gemm
-    except Exception as exc:  # noqa: BLE001 - a broken build must not take the host down
-        return f"deep_gemm is installed but failed to import ({type(exc).__name__}: {exc})"
-    api = detect_api(deep_gemm)
-    if api.generation == "none":
-        return (f"deep_gemm {api.version} exposes none of the APIs this backend adapts ({PAGED_NEW}, {PAGED_LEGACY}, "
-                f"{RAGGED_NEW}, {RAGGED_LEGACY}, {', '.join(GEMM_NAMES)})")
-    try:
-        api = self_test(deep_gemm, api, torch.device("cuda", torch.cuda.current_device()))
-    except Exception as exc:  # noqa: BLE001
-        return f"deep_gemm {api.version} self-test failed: {exc}"
-    with _lock:
-        _detected = (deep_gemm, api)
-    log.info("dsa_indexer: %s passed its self-test", api.describe())
-    return None
+    return LIBRARY.probe()
 
 
 def reset_detection() -> None:
     """Forget the probe's result (tests)."""
-    global _detected
-    with _lock:
-        _detected = None
+    LIBRARY.reset()

@@ -13,14 +13,11 @@ toolkit) and ``torch.npu.is_available()`` must hold. On other machines it return
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-
 import torch
 
 from ...dispatch.plugins import hookimpl
 from ...dispatch.registry import Registry
+from ...dispatch.vendor import VendorLibrary
 from .lightning import npu_lightning_indexer_bf16
 
 __all__ = ["UNREGISTERED", "npu_lightning_indexer_bf16", "torch_npu_probe"]
@@ -42,26 +39,23 @@ UNREGISTERED = {
 }
 
 
-def torch_npu_probe() -> str | None:
-    """None when torch_npu imports and an NPU is visible; else the reason. Never raises."""
-    try:
-        installed = "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
-        return f"torch_npu is not installed ({INSTALL_HINT})"
-    try:
-        importlib.import_module("torch_npu")
-    except BaseException as exc:  # noqa: BLE001 - a missing CANN toolkit must not take the host down
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return f"torch_npu is installed but failed to import ({type(exc).__name__}: {exc})"
+def _npu_visible(module) -> str | None:
     npu = getattr(torch, "npu", None)
     try:
         available = bool(npu is not None and npu.is_available())
     except Exception as exc:  # noqa: BLE001
         return f"torch_npu imported but torch.npu.is_available() failed ({type(exc).__name__}: {exc})"
     return None if available else "torch_npu imported but torch.npu.is_available() is False (no NPU visible)"
+
+
+# The shared vendor-library probe (dispatch/vendor.py): no API detection or self-test yet (nothing is registered).
+LIBRARY = VendorLibrary(module="torch_npu", install_hint=INSTALL_HINT, after_import=_npu_visible,
+                        catch_base_exceptions=True)  # a missing CANN toolkit must not take the host down
+
+
+def torch_npu_probe() -> str | None:
+    """None when torch_npu imports and an NPU is visible; else the reason. Never raises."""
+    return LIBRARY.probe()
 
 
 @hookimpl

@@ -11,13 +11,13 @@ resolution that needs the fact.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import sys
-import threading
 from dataclasses import dataclass
 
 import torch
+
+from ...dispatch.vendor import VendorLibrary
 
 log = logging.getLogger("dsa_indexer")
 
@@ -82,58 +82,44 @@ def self_test(api: AiterApi, device: torch.device) -> AiterApi:
     return api
 
 
-_lock = threading.Lock()
-_detected: AiterApi | None = None
-
-
-def detected_api() -> AiterApi | None:
-    """The API the probe found in this process (None before the probe ran or when it failed)."""
-    return _detected
-
-
-def reset_detection() -> None:
-    """Forget the probe's result (tests)."""
-    global _detected
-    with _lock:
-        _detected = None
-
-
-def _installed() -> bool:
-    if "aiter" in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec("aiter") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def probe() -> str | None:
-    """None when aiter imports on a ROCm GPU and exposes at least one function the adapters use; else the
-    reason. Never raises."""
-    global _detected
-    if not _installed():
-        return f"aiter is not installed ({INSTALL_HINT})"
+def _device_check() -> str | None:
     if not torch.version.hip:
         return "aiter needs a ROCm build of torch (torch.version.hip is None)"
     if not torch.cuda.is_available():
         return "aiter is installed but torch sees no ROCm GPU"
-    if torch.cuda.is_current_stream_capturing():
-        reason = ("aiter was first resolved inside graph capture, where its self-test cannot run; run the step "
-                  "once eagerly before capturing")
-        log.warning("dsa_indexer: %s", reason)
-        return reason
-    try:
-        api = detect_api()
-    except BaseException as exc:  # noqa: BLE001 - aiter's import may even call exit() when ROCm tools are missing
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return f"aiter is installed but failed to import ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _usable(api: AiterApi) -> str | None:
     if not (api.ragged_wrapper or api.topk_decode):
         return (f"aiter {api.version} exposes none of the functions this backend adapts "
                 f"(fp8_mqa_logits, top_k_per_row_decode)")
-    api = self_test(api, torch.device("cuda", torch.cuda.current_device()))
-    with _lock:
-        _detected = api
-    log.info("dsa_indexer: found %s%s", api.describe(),
-             f"; ragged logits self-test failed: {api.ragged_self_test}" if api.ragged_self_test else "")
     return None
+
+
+# The shared vendor-library probe (dispatch/vendor.py); the lambdas look this module's functions up at call time.
+LIBRARY = VendorLibrary(module="aiter", install_hint=INSTALL_HINT, device_check=_device_check,
+                        detect=lambda module: detect_api(), usable=_usable,
+                        self_test=lambda module, api, device: self_test(api, device),
+                        describe=lambda api: api.describe() if isinstance(api, AiterApi) else "aiter",
+                        catch_base_exceptions=True)  # aiter's import may even call exit() without ROCm tools
+
+
+def detected_api() -> AiterApi | None:
+    """The API the probe found in this process (None before the probe ran or when it failed)."""
+    return LIBRARY.detected_api()
+
+
+def reset_detection() -> None:
+    """Forget the probe's result (tests)."""
+    LIBRARY.reset()
+
+
+def probe() -> str | None:
+    """None when aiter imports on a ROCm GPU and exposes at least one function the adapters use; else the
+    reason. Never raises. A failed ragged self-test turns off only that implementation (recorded in the api)."""
+    reason = LIBRARY.probe()
+    api = LIBRARY.detected_api()
+    if reason is None and api is not None and api.ragged_self_test:
+        log.info("dsa_indexer: aiter's ragged logits self-test failed: %s", api.ragged_self_test)
+    return reason
