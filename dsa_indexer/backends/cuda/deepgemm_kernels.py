@@ -1,0 +1,188 @@
+"""DeepGEMM adapters (the kernels' side): each takes exactly the matching reference kernel's signature and returns
+what the reference returns (`deepgemm.py` states the output contracts), plus the per-step scratch they share."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from ...contract.cache import PAGE_SIZE
+from ...contract.validate import IndexerInputError, ranges_checked
+from .deepgemm_api import (GEMM_NAMES, METADATA, PAGED_LEGACY, PAGED_NEW, RAGGED_LEGACY, RAGGED_NEW, SM90_RECIPE,
+                           DeepGemmApi, param_names)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masks
+def mask_tail_(logits: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """In place: ``logits[r, c] = -inf`` for ``c >= lens[r]`` (``logits`` fp32 [R, W]): the shared column mask."""
+    from ..triton.masks import mask_columns_
+
+    return mask_columns_(logits, lens, use_triton=logits.is_cuda)
+
+
+def causal_lens_hold(context_lens: torch.Tensor) -> bool:
+    """``context_lens[b, j] == max(0, context_lens[b, -1] - (next_n - 1 - j))`` for every row: the semantics the
+    1-D legacy API computes from ``context_lens[:, -1]`` (what `DecodeBatch` builds; padding rows are all 0)."""
+    n = context_lens.shape[1]
+    last = context_lens[:, -1:].long()
+    expected = (last - (n - 1 - torch.arange(n, device=context_lens.device))[None, :]).clamp_min(0)
+    return bool(torch.equal(context_lens.long(), expected))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-step scratch
+def step_memo(owner: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per (``owner`` tensor, ``key``) while ``owner`` is not modified in place.
+
+    The decode batch's ``context_lens`` is built once per step and read by every layer, so values derived from it
+    alone (DeepGEMM's schedule metadata) are computed by the first layer and reused by the others. The memo lives
+    on the tensor itself: it dies with the step's batch, and an in-place write (which bumps ``_version``)
+    invalidates it. Under CUDA-graph capture the first layer's kernel is captured and the later layers read its
+    output, so a replay recomputes it once per step too. Tensors made under ``torch.inference_mode`` keep no
+    version counter, so in-place writes to them cannot be seen: for those the value is computed on every call."""
+    try:
+        version = owner._version
+    except RuntimeError:  # an inference tensor
+        return compute()
+    memo = owner.__dict__.get("_dsa_indexer_step_memo")
+    if memo is None or memo[0] != version:
+        memo = (version, {})
+        owner.__dict__["_dsa_indexer_step_memo"] = memo
+    cache = memo[1]
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Adapters
+def _num_sms(module: ModuleType, device: torch.device) -> int:
+    get = getattr(module, "get_num_sms", None)
+    if callable(get):
+        return int(get())  # DeepGEMM checks the metadata against its own (settable) SM count
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    if api.paged_fn is None:
+        raise RuntimeError(f"{api.describe()} has no paged MQA logits API (looked for {PAGED_NEW} / {PAGED_LEGACY} "
+                           f"with {METADATA}); the deep_gemm probe should have rejected it")
+    kernel = getattr(module, api.paged_fn)
+    metadata = getattr(module, METADATA)
+    tuple_q = api.paged_tuple_q
+    two_d = api.context_lens_2d is not False if tuple_q else bool(api.context_lens_2d)
+    extra: dict[str, Any] = {}
+    if "clean_logits" in api.paged_params:
+        extra["clean_logits"] = False  # 2.6.1 asserts on True with 2-D lens; the tail is masked below
+    if "logits_dtype" in api.paged_params:
+        extra["logits_dtype"] = torch.float32
+
+    def schedule(context_lens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the lengths DeepGEMM is given, its schedule metadata), computed once per decode step: cached on the
+        step's ``context_lens`` tensor, so every layer of a step (and every layer captured into one graph)
+        shares one metadata kernel."""
+        num_sms = _num_sms(module, device)
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            lens2d = context_lens.contiguous()
+            lens = lens2d if two_d else lens2d[:, -1].contiguous()
+            # Rows with no visible key (CUDA-graph padding, warm-up) would make DeepGEMM fault: give it one key
+            # to read (page block_table[b, 0]); consumers mask or skip the row from the true lengths.
+            lens = lens.clamp_min(1)
+            return lens, metadata(lens, PAGE_SIZE, num_sms)
+
+        return step_memo(context_lens, ("deepgemm_paged_schedule", num_sms, two_d), compute)
+
+    def check_lengths(context_lens: torch.Tensor) -> None:
+        if not ranges_checked(context_lens):
+            return  # values are only checked where that costs no host sync
+        lens2d = context_lens.contiguous()
+        if two_d:
+            # DeepGEMM schedules each request by its LAST row's length: no row may see more keys than that.
+            if not bool((lens2d[:, -1:] >= lens2d).all()):
+                raise IndexerInputError(f"{api.describe()} computes keys up to context_lens[b, -1] for every row of "
+                                        "request b: context_lens[b, j] must be <= context_lens[b, -1]")
+        elif not causal_lens_hold(context_lens):
+            # The 1-D API derives row j's length as ctx - next_n + j + 1: right for DecodeBatch's lengths.
+            raise IndexerInputError(
+                f"{api.describe()} takes 1-D context lengths with causal next_n semantics; context_lens must "
+                "satisfy context_lens[b, j] == context_lens[b, -1] - (next_n - 1 - j) (what DecodeBatch builds)")
+
+    def unmasked(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                 block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        """DeepGEMM's logits as it returns them: a view with padded rows, garbage past each row's length
+        (for consumers that read only [0, context_lens[row]), such as the top-k)."""
+        check_lengths(context_lens)
+        lens, meta = schedule(context_lens, q.device)
+        q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
+        return kernel(q_arg, kv_cache, weights.contiguous(), lens, block_table, meta, max_context_len, **extra)
+
+    def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        mask_tail_(logits, context_lens.reshape(-1))
+        return logits if logits.is_contiguous() else logits.contiguous()
+
+    paged_mqa_logits.unmasked = unmasked  # type: ignore[attr-defined]
+    paged_mqa_logits.api = api  # type: ignore[attr-defined]
+    return paged_mqa_logits
+
+
+def make_ragged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    if api.ragged_fn is None:
+        raise RuntimeError(f"{api.describe()} has no ragged MQA logits API (looked for {RAGGED_NEW} / {RAGGED_LEGACY}); "
+                           "the deep_gemm probe should have rejected it")
+    kernel = getattr(module, api.ragged_fn)
+    tuple_q = api.ragged_tuple_q
+    cleans = "clean_logits" in api.ragged_params
+    extra: dict[str, Any] = {"clean_logits": True} if cleans else {}
+    if "logits_dtype" in api.ragged_params:
+        extra["logits_dtype"] = torch.float32
+    # max_seqlen_k stays at its default 0: a positive value switches DeepGEMM to logits indexed from ks (a
+    # different contract).
+
+    def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+        q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
+        logits = kernel(q_arg, (k.contiguous(), k_scales.contiguous()), weights.contiguous(), ks.contiguous(),
+                        ke.contiguous(), **extra)
+        if not cleans:  # an API without the option: mask outside [ks, ke) here
+            cols = torch.arange(logits.shape[1], device=logits.device)
+            outside = (cols[None, :] < ks.long()[:, None]) | (cols[None, :] >= ke.long()[:, None])
+            logits = logits.masked_fill(outside, float("-inf"))
+        return logits.contiguous()
+
+    ragged_mqa_logits.api = api  # type: ignore[attr-defined]
+    return ragged_mqa_logits
+
+
+def make_gemm_fp8_blockscale(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    if api.gemm_fn is None:
+        raise RuntimeError(f"{api.describe()} has no block-fp8 GEMM (looked for {', '.join(GEMM_NAMES)}); "
+                           "the deep_gemm probe should have rejected it")
+    kernel = getattr(module, api.gemm_fn)
+    extra: dict[str, Any] = {"recipe": SM90_RECIPE} if "recipe" in api.gemm_params else {}
+    # The 1.x API wants a's scales column-major and TMA-aligned; later ones convert them inside the call.
+    align = getattr(module, "get_col_major_tma_aligned_tensor", None) if api.gemm_fn == GEMM_NAMES[2] else None
+
+    def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        if out_dtype != torch.bfloat16:
+            raise IndexerInputError(f"the DeepGEMM adapter writes bf16 output, got out_dtype={out_dtype} "
+                                    "(its supports() check should have rejected this problem)")
+        d = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
+        sfa = align(a_scales) if callable(align) else a_scales.contiguous()
+        kernel((a.contiguous(), sfa), (b.contiguous(), b_scales.contiguous()), d, **extra)
+        return d
+
+    gemm_fp8_blockscale.api = api  # type: ignore[attr-defined]
+    return gemm_fp8_blockscale
+
+
+MAKERS = {"paged_mqa_logits": make_paged_mqa_logits, "ragged_mqa_logits": make_ragged_mqa_logits,
+          "gemm_fp8_blockscale": make_gemm_fp8_blockscale}
+
+
