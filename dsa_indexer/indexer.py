@@ -6,6 +6,7 @@ file never names a vendor and does not change when a backend is added.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
@@ -134,8 +135,9 @@ class Indexer(nn.Module):
         self.requires_grad_(False)  # an inference module: its output is integer indices
         self.logits_budget_bytes = logits_budget_bytes
         self.reuse_stats: Counter[str] = Counter()
-        # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel): one fp8 ulp may differ.
-        self.allow_unrounded_q_lora_quant = False
+        # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel; one fp8 ulp may differ)?
+        # None: as the target's platform says (AMD: yes, as the seed integration does; NVIDIA: no, bit-identical).
+        self.allow_unrounded_q_lora_quant: bool | None = None
         self.last_pipeline: Resolution | None = None
         # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
@@ -308,7 +310,18 @@ class Indexer(nn.Module):
         problem = ops.gemm_problem(self.wq_b.weight, q_lora.dtype)  # the problem the GEMM op will build
         res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
-        return layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
+        layout = layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
+        if layout.fp8_dtype is None:  # "the target's flavour"
+            layout = dataclasses.replace(layout, fp8_dtype=self.fp8_dtype)
+        return layout
+
+    def reuses_unrounded_quant(self) -> bool:
+        """Whether a q_lora_quant made before bf16 rounding is reused: the explicit setting, else the platform's."""
+        if self.allow_unrounded_q_lora_quant is not None:
+            return bool(self.allow_unrounded_q_lora_quant)
+        from .dispatch.platform import platform_of
+
+        return platform_of(self.target.vendor).reuse_unrounded_quant
 
     def note_reuse(self, used: bool, reason: str | None) -> None:
         """Count each q_lora_quant decision; a drop is logged at debug level with its reason."""

@@ -21,7 +21,7 @@ from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
 from .contract.specs import PIPELINE_OP, PROBLEM_KEYS, SPECS  # noqa: F401 (PIPELINE_OP: re-exported)
-from .contract.quant import Fp8GroupLayout, QuantizedActivation
+from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 
 NORMS = ("layernorm", "rmsnorm", "none")
 
@@ -133,12 +133,15 @@ _rmsnorm_quant_fp8_op = _custom_op("rmsnorm_quant_fp8", _rmsnorm_quant_fp8_impl)
 
 
 def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
-                      ue8m0: bool = False, fp8_dtype: torch.dtype | None = None
-                      , target: Target | str | None = None) -> tuple[torch.Tensor, QuantizedActivation]:
+                      ue8m0: bool = False, fp8_dtype: torch.dtype | None = None,
+                      target: Target | str | None = None) -> tuple[torch.Tensor, QuantizedActivation]:
     """Fused RMSNorm + fp8 group quant: ``(normed [T, N] in x's dtype, QuantizedActivation of normed)``.
 
-    The fp8 copy quantizes the rounded ``normed`` tensor that is returned, so feeding it to the indexer as
-    ``q_lora_quant`` gives bit-identical results to letting the indexer quantize ``normed`` itself.
+    The library's producers (reference, Triton) quantize the rounded ``normed`` tensor that is returned, so feeding
+    it to the indexer as ``q_lora_quant`` is bit-identical to letting the indexer quantize ``normed`` itself
+    (``layout.producer == PRODUCER_ROUNDED``). A vendor producer may quantize the fp32 value before rounding (aiter's
+    fused kernel on AMD: at most 1 fp8 ulp apart on some elements); the implementation declares it (registry info
+    ``producer``) and the layout carries it, so each consumer decides (docs/ops.md, "q_lora quant reuse").
     """
     v.tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
     v.tensor("weight", weight, shape=(x.shape[1],), device=x.device)
@@ -150,7 +153,11 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
     fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_impl
     normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8, target=_target_name(target))
-    layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8)
+    # Which implementation made it decides the producer tag (a cached resolution, no kernel).
+    res = default_registry().resolve("rmsnorm_quant_fp8", _target_for(x, _target_name(target)),
+                                     _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8), x.shape[-1]))
+    producer = res.chosen.info.get("producer", PRODUCER_ROUNDED) if res.chosen is not None else PRODUCER_ROUNDED
+    layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8, producer=producer)
     return normed, QuantizedActivation(x_fp8, scales, layout)
 
 

@@ -44,7 +44,7 @@ def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedA
     wanted = indexer.gemm_input_layout(q_lora)
     quant = None
     if q_lora_quant is not None:
-        reason = reuse_rejection(q_lora_quant, q_lora, True, wanted, indexer.allow_unrounded_q_lora_quant)
+        reason = reuse_rejection(q_lora_quant, q_lora, True, wanted, indexer.reuses_unrounded_quant())
         indexer.note_reuse(reason is None, reason)
         if reason is None:
             quant = (q_lora_quant.data, q_lora_quant.scales)

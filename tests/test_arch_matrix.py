@@ -1,6 +1,7 @@
 """The arch matrix: for every target x every op, the implementation resolution picks, with vendor libraries
 simulated as present or absent. The golden table below is the design, written down and reviewed by hand:
-vendor libraries (DeepGEMM on sm90/sm100, aiter on gfx942/gfx950) where they serve the shape, Triton on every
+vendor libraries (DeepGEMM on sm90/sm100, aiter on gfx942/gfx950, aiter's fused RMSNorm + quant also on gfx1250
+but not on gfx942's e4m3fnuz) where they serve the shape, Triton on every
 NVIDIA and AMD arch, the pure-torch reference elsewhere; the dual-stream pipeline on CUDA targets only."""
 
 import pytest
@@ -33,10 +34,10 @@ gfx942  triton  tri  1s tri cmp tri tri tri tri tri tri
 gfx942  vendor  tri  1s tri cmp tri tri tri ai  tri tri
 gfx950  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx950  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx950  vendor  tri  1s tri cmp tri tri tri ai  tri tri
+gfx950  vendor  tri  1s tri cmp tri tri tri ai  ai  tri
 gfx1250 none    ref  1s ref cmp ref ref ref ref ref ref
 gfx1250 triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx1250 vendor  tri  1s tri cmp tri tri tri tri tri tri
+gfx1250 vendor  tri  1s tri cmp tri tri tri tri ai  tri
 npu     none    ref  1s ref cmp ref ref ref ref ref ref
 npu     triton  ref  1s ref cmp ref ref ref ref ref ref
 npu     vendor  ref  1s ref cmp ref ref ref ref ref ref

@@ -31,7 +31,7 @@ class Fp8GroupLayout:
     scale_major: str = "row"
     packed_scales: bool = False
     rows: int = 0
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    fp8_dtype: torch.dtype | None = torch.float8_e4m3fn  # None in a declared input layout: the target's flavour
     producer: str = PRODUCER_ROUNDED
 
 
@@ -47,8 +47,9 @@ class QuantizedActivation:
         return iter((self.data, self.scales, self.layout))
 
 
-# What the library's block-fp8 GEMMs take: per-token groups of 128, plain fp32 row-major scales.
-GEMM_INPUT_LAYOUT = Fp8GroupLayout()
+# What the library's block-fp8 GEMMs take: per-token groups of 128, plain fp32 row-major scales, in the target's fp8
+# flavour (the reference and Triton GEMMs take e4m3fn or e4m3fnuz, as long as both operands match).
+GEMM_INPUT_LAYOUT = Fp8GroupLayout(fp8_dtype=None)
 
 
 def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_block_fp8: bool,
@@ -56,7 +57,8 @@ def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_bl
     """None when ``quant`` can feed ``wq_b`` in place of quantizing ``q_lora``; else the drop reason.
 
     A tensor quantized before bf16 rounding (PRODUCER_UNROUNDED, aiter's fused kernel) may differ from
-    re-quantizing ``q_lora`` in the last fp8 bit, so it is reused only when ``allow_unrounded`` says so."""
+    re-quantizing ``q_lora`` in the last fp8 bit, so it is reused only when ``allow_unrounded`` says so (the
+    default on targets whose platform reuses it, AMD, as the seed integration does)."""
     if not wq_b_is_block_fp8:
         return "wq_b is not block-fp8 128x128 (bf16 weights take the bf16 q_lora)"
     lay = quant.layout
@@ -74,11 +76,12 @@ def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_bl
         return f"group size {lay.group_size}, the GEMM wants {wanted.group_size}"
     if lay.scale_major != wanted.scale_major:
         return f"scales are {lay.scale_major}-major, the GEMM wants {wanted.scale_major}-major"
-    if lay.fp8_dtype != wanted.fp8_dtype:
+    if wanted.fp8_dtype is not None and lay.fp8_dtype != wanted.fp8_dtype:
         return f"fp8 type {lay.fp8_dtype}, this target's GEMM takes {wanted.fp8_dtype}"
     if lay.producer != PRODUCER_ROUNDED and not allow_unrounded:
         return (f"producer {lay.producer!r} quantized before bf16 rounding (may differ in the last fp8 bit); "
-                f"set Indexer.allow_unrounded_q_lora_quant = True to accept that")
+                f"this target keeps the bit-identical rule; set Indexer.allow_unrounded_q_lora_quant = True to accept "
+                f"it")
     if quant.data.device != q_lora.device:
         return f"q_lora_quant is on {quant.data.device}, q_lora on {q_lora.device}"
     return None

@@ -40,6 +40,8 @@ class Platform:
     default_device: str | None = None  # the torch device type used when a device must be guessed
     is_accelerator: bool = True  # False for the CPU: the reference is not a slow fallback there
     names: str = ""  # the names parse accepts, for error messages
+    # Reuse a q_lora fp8 copy quantized before bf16 rounding (1 fp8 ulp from re-quantizing) by default?
+    reuse_unrounded_quant: bool = False
     libraries: Mapping[str, str] = field(default_factory=dict)  # fact -> module: installed but failing warns once
     distributions: tuple[str, ...] = ()  # the vendor's Python packages whose versions `dsa-indexer info` shows
 

@@ -28,6 +28,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
+from ...contract.quant import PRODUCER_UNROUNDED
 from .quant import aiter_fused_rms_fp8_group_quant
 
 __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
@@ -50,9 +51,6 @@ UNREGISTERED = {
                         "norm + RoPE + Hadamard + quant + store",
     "gemm_fp8_blockscale": "aiter.gemm_a8w8_blockscale (CK, HIP only): the memory layout CK expects for x_scale "
                            "([M, K/128] row-major or [K/128, M]) is not settled from the Python sources read",
-    "rmsnorm_quant_fp8": "aiter's fused_rms_fp8_group_quant quantizes before rounding to bf16 (1 fp8 ulp off the "
-                         "contract's bit identity) and clamps amax at 1e-10; exposed unregistered as "
-                         "aiter_fused_rms_fp8_group_quant (layout producer PRODUCER_UNROUNDED)",
     "quant_fp8_groups": "no aiter function quantizes with this contract's recipe (amax clamp 1e-4, 224 on fnuz)",
     "q_prologue": "no aiter function fuses RoPE + Hadamard + quant + the weight fold",
     "lightning_indexer": "no aiter fused paged logits + top-k for this cache layout (the generic composition of "
@@ -133,6 +131,23 @@ def _ragged_factory():
     return make_ragged_mqa_logits(launch="wrapper")
 
 
+def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
+    if problem.get("fp8") == "fnuz":
+        return ("e4m3fnuz (gfx942): aiter's fused_rms_fp8_group_quant scales to +-240 (torch.finfo max), the library's "
+                "and the AMD integrations' fnuz recipe to +-224; the Triton producer serves gfx942")
+    if problem.get("group_size") not in (None, 128):
+        return f"group_size={problem.get('group_size')}: aiter's fused kernel is registered for groups of 128"
+    if problem.get("ue8m0"):
+        return "ue8m0 scales: aiter's fused kernel writes plain fp32 scales (amax / fp8 max)"
+    return None
+
+
+def _rms_quant_factory():
+    from .quant import make_rmsnorm_quant_fp8
+
+    return make_rmsnorm_quant_fp8()
+
+
 def _topk_factory():
     from .topk import make_topk_indices
 
@@ -151,6 +166,15 @@ def dsa_indexer_register(registry: Registry) -> None:
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
                             "are passed rounded down and columns [ks & ~127, ks) are set to -inf after"},
     )(_ragged_factory)
+    registry.implementation(
+        "rmsnorm_quant_fp8", impl_id="rmsnorm_quant_fp8.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
+        requires=("gpu", "aiter"), available=_available("fused_rms_quant", "rmsnorm_quant_fp8"),
+        supports=_rms_quant_supports,
+        description="aiter's Triton fused_rms_fp8_group_quant (attention's q_lora producer in the seed integration); "
+                    "quantizes before bf16 rounding",
+        info={"vendor_function": "aiter.ops.triton.fused_fp8_quant.fused_rms_fp8_group_quant",
+              "producer": PRODUCER_UNROUNDED},
+    )(_rms_quant_factory)
     registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter", targets=AITER_TARGETS, priority=TOPK_PRIORITY,
         requires=("gpu", "aiter"), available=_available("topk_decode", "topk_indices"), supports=_topk_supports,

@@ -33,6 +33,7 @@ def _detect(device: torch.device) -> Target | None:
 PLATFORM = Platform(
     vendor="rocm", archs=ARCHS, parse=_parse, detect=_detect, device_visible=_visible, default_device="cuda",
     fp8_dtypes=FP8_DTYPES,
+    reuse_unrounded_quant=True,  # as SGLang's gfx950 / gfx1250 integration does with aiter's fused RMSNorm + quant
     probes={"aiter": module_probe("aiter", "pip install 'dsa-indexer[rocm]' on a ROCm machine")},
     libraries={"aiter": "aiter"},
     distributions=("amd-aiter",),

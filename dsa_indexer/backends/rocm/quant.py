@@ -1,4 +1,4 @@
-"""aiter's fused RMSNorm + fp8 group quant as a q_lora_quant producer (documented here, NOT registered).
+"""aiter's fused RMSNorm + fp8 group quant: the AMD producer of q_lora_quant (registered as ``rmsnorm_quant_fp8``).
 
 ``aiter.ops.triton.fused_fp8_quant.fused_rms_fp8_group_quant(x, w, eps, group_size=128, dtype_quant=fp8,
 output_unquantized_inp1=True)`` returns ``((x_fp8, scales [T, K/128]), normed, None, None)``. Its recipe differs
@@ -12,9 +12,11 @@ from the library's ``rmsnorm_quant_fp8`` contract in three ways (read from aiter
 * its fp8 range is ``torch.finfo(dtype).max``: 448 for e4m3fn, but 240 for e4m3fnuz, where the AMD
   integrations and the library use 224. The adapter therefore refuses e4m3fnuz (gfx942).
 
-So it must not serve the op ``rmsnorm_quant_fp8``. `aiter_fused_rms_fp8_group_quant` exposes it for callers who
-want aiter's kernel anyway: the result carries ``layout.producer = PRODUCER_UNROUNDED`` so that consumers can
-tell it apart (a later change registers the AMD producer under that tag).
+It serves the op ``rmsnorm_quant_fp8`` on AMD targets as the seed integration uses it (SGLang on MI355X: attention's
+q_lora comes out of this kernel), declaring its output ``PRODUCER_UNROUNDED`` (registry info ``producer``), so that
+the op's `QuantizedActivation` says so and a consumer decides: on AMD the indexer reuses it by default (the ROCm
+platform's rule), on NVIDIA it keeps the bit-identical rule. gfx942 is refused (the 240 vs 224 fnuz range above).
+`aiter_fused_rms_fp8_group_quant` is the same call for callers who want aiter's kernel directly.
 """
 
 from __future__ import annotations
@@ -80,3 +82,21 @@ def aiter_fused_rms_fp8_group_quant(x: torch.Tensor, weight: torch.Tensor, eps: 
     layout = Fp8GroupLayout(group_size=GROUP_SIZE, ue8m0=False, scale_major="row", packed_scales=False,
                             rows=x.shape[0], fp8_dtype=fp8_dtype, producer=PRODUCER_UNROUNDED)
     return normed, QuantizedActivation(x_fp8, scales, layout)
+
+
+def make_rmsnorm_quant_fp8(fused_rms_fp8_group_quant: Callable | None = None) -> Callable:
+    """The ``rmsnorm_quant_fp8`` implementation over aiter's kernel, with the reference signature
+    ``(x, weight, eps, group_size, ue8m0, fp8_dtype) -> (normed, x_fp8, scales)``."""
+    if fused_rms_fp8_group_quant is None:
+        found = find_fused_rms_quant()
+        if found is None:
+            raise RuntimeError(f"aiter has no {FUSED_QUANT_NAME} in {' / '.join(FUSED_QUANT_MODULES)}")
+        fused_rms_fp8_group_quant = found[1]
+
+    def rmsnorm_quant_fp8(x, weight, eps, group_size, ue8m0, fp8_dtype):
+        (x_fp8, scales), normed, _, _ = fused_rms_fp8_group_quant(
+            x, weight, float(eps), group_size=group_size, dtype_quant=fp8_dtype, output_unquantized_inp1=True,
+            transpose_scale=False)
+        return normed, x_fp8, scales
+
+    return rmsnorm_quant_fp8
