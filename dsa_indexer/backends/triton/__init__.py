@@ -59,7 +59,12 @@ def _supports(op: str):
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
+    from ...contract.quant import GEMM_INPUT_LAYOUT
+
     for op, (module, name) in KERNELS.items():
+        # The GEMM states the activation layout it takes (per-token groups of 128, fp32 row-major scales, the
+        # target's fp8 flavour): what a reusable q_lora_quant must match, on NVIDIA and AMD alike.
+        info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
         registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), supports=_supports(op),
-                                description=f"Triton kernel {module}.{name}")(_factory(module, name))
+                                description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
