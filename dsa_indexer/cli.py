@@ -16,7 +16,7 @@ from . import __version__
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.environment import default_probes
-from .dispatch.target import detect_target, known_targets, parse_target
+from .dispatch.target import detect_target, known_targets, parse_target, warn_if_unknown_arch
 
 DEFAULT_PROBLEMS = {
     "q_prologue": dict(heads=64, dim=128, rope_dim=64, interleaved=False, ue8m0=True, fp8="fn"),
@@ -69,9 +69,16 @@ def _versions() -> dict:
     return out
 
 
+def _simulated_target(args):
+    target = detect_target(override=args.target)
+    if args.target:
+        warn_if_unknown_arch(target, "--target")
+    return target
+
+
 def cmd_info(args) -> int:
     registry = default_registry()
-    target = detect_target(override=args.target)
+    target = _simulated_target(args)
     print(f"dsa_indexer {__version__}")
     print(f"target: {target} (vendor {target.vendor}, fp8 {str(target.fp8_dtype).replace('torch.', '')})"
           + ("  [simulated]" if args.target or os.environ.get("DSA_INDEXER_TARGET") else ""))
@@ -95,17 +102,20 @@ def _environment(assume: Sequence[str]):
     from .dispatch.environment import Environment
 
     facts = {}
+    known = default_probes()
     for item in assume:
         fact, sep, value = item.partition("=")
         if not sep or value.lower() not in ("yes", "no", "1", "0", "true", "false"):
             raise SystemExit(f"--assume entries must read fact=yes|no, got {item!r}")
+        if fact not in known:
+            raise SystemExit(f"--assume: unknown fact {fact!r}; known facts: {', '.join(known)}")
         facts[fact] = value.lower() in ("yes", "1", "true")
     return Environment.simulated(**facts)
 
 
 def cmd_explain(args) -> int:
     registry = default_registry()
-    target = detect_target(override=args.target)
+    target = _simulated_target(args)
     env = _environment(args.assume)
     ops = registry.ops() if args.op == "all" else [args.op]
     for op in ops:
@@ -150,6 +160,29 @@ def cmd_run(args) -> int:
     return 0 if report["verified"] in (True, None) else 1
 
 
+EXIT_OK, EXIT_MISMATCH, EXIT_ERROR, EXIT_USAGE = 0, 1, 2, 2  # argparse's usage errors exit 2 too
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _writable_json_path(text: str) -> str:
+    """Checked before the run: a report path whose folder does not exist fails now, not after minutes of work."""
+    import pathlib
+
+    folder = pathlib.Path(text).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} does not exist")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-indexer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dsa-indexer {__version__}")
@@ -174,14 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default="deepseek-v3.2", choices=("deepseek-v3.2", "deepseek-v4-flash"))
     run.add_argument("--target", help="simulate a target for resolution (kernels still run on --device)")
     run.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
-    run.add_argument("--batch", type=int, default=None, help="decode requests (default 32 on GPU, 4 on CPU)")
-    run.add_argument("--context", type=int, default=None, help="tokens per request (default 8192 GPU, 4096 CPU)")
-    run.add_argument("--steps", type=int, default=None, help="decode steps to time (default 20 GPU, 3 CPU)")
-    run.add_argument("--prefill-tokens", type=int, default=None, help="new tokens of the prefill request")
-    run.add_argument("--next-n", type=int, default=1, help="query tokens per request per step (MTP verify: 2)")
+    run.add_argument("--batch", type=_positive_int, default=None, help="decode requests (default 32 on GPU, 4 on CPU)")
+    run.add_argument("--context", type=_positive_int, default=None, help="tokens per request (default 8192 GPU, 4096 CPU)")
+    run.add_argument("--steps", type=_positive_int, default=None, help="decode steps to time (default 20 GPU, 3 CPU)")
+    run.add_argument("--prefill-tokens", type=_positive_int, default=None, help="new tokens of the prefill request")
+    run.add_argument("--next-n", type=_positive_int, default=1, help="query tokens per request per step (MTP verify: 2)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-verify", action="store_true", help="skip the check against the reference backend")
-    run.add_argument("--json", help="also write the report to this file")
+    run.add_argument("--json", type=_writable_json_path, help="also write the report to this file (its folder must "
+                     "exist). Exit codes: 0 verified, 1 top-k mismatch against the reference, 2 usage or runtime "
+                     "error")
     run.set_defaults(func=cmd_run)
     return parser
 

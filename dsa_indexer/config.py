@@ -30,6 +30,13 @@ class IndexerConfig:
     checkpoint_prefix: str = "model.layers.{layer}.self_attn.indexer."
 
     def __post_init__(self) -> None:
+        for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "rope_dim", "topk", "max_position",
+                     "fp8_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"IndexerConfig.{name} must be a positive int, got {value!r}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"IndexerConfig.norm_eps must be > 0, got {self.norm_eps!r}")
         if self.rope_position not in ("first", "last"):
             raise ValueError(f"rope_position must be 'first' or 'last', got {self.rope_position!r}")
         if self.head_dim != 128:

@@ -60,3 +60,37 @@ def test_run_with_a_simulated_target_leaves_the_environment_alone(tmp_path, monk
           "--json", str(report)])
     assert "DSA_INDEXER_TARGET" not in os.environ
     assert json.loads(report.read_text())["target"] == "sm90"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch: must be a positive integer, got 0"),
+    (["--steps", "0"], "--steps: must be a positive integer, got 0"),
+    (["--context", "-5"], "--context: must be a positive integer, got -5"),
+    (["--prefill-tokens", "0"], "--prefill-tokens: must be a positive integer"),
+    (["--next-n", "x"], "--next-n: expected a positive integer, got 'x'"),
+    (["--json", "/no/such/folder/report.json"], "--json: the folder '/no/such/folder' does not exist"),
+])
+def test_run_rejects_bad_arguments_before_running(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value", [("topk", 0), ("topk", -1), ("n_heads", 0), ("hidden_size", 1.5),
+                                          ("norm_eps", 0.0)])
+def test_indexer_config_validates_its_fields_by_name(field, value):
+    from dsa_indexer import IndexerConfig
+
+    with pytest.raises(ValueError, match=f"IndexerConfig.{field} must be"):
+        IndexerConfig.deepseek_v32(**{field: value})
+
+
+def test_explain_rejects_an_unknown_assumed_fact(capsys):
+    with pytest.raises(SystemExit, match="unknown fact 'cuda'; known facts: gpu, triton"):
+        main(["explain", "topk_indices", "--assume", "cuda=yes"])
+
+
+@pytest.mark.parametrize("arch", ["sm91", "gfx9500"])
+def test_a_simulated_arch_no_platform_lists_warns(arch, capsys):
+    with pytest.warns(RuntimeWarning, match=f"--target names {arch}, which the .* platform does not list"):
+        assert main(["explain", "topk_indices", "--target", arch]) == 0

@@ -119,7 +119,19 @@ def _environment_override() -> Target | None:
     if _env_target is _UNREAD:
         name = os.environ.get(TARGET_ENV)
         _env_target = parse_target(name) if name else None
+        if _env_target is not None:
+            warn_if_unknown_arch(_env_target, TARGET_ENV)
     return _env_target  # type: ignore[return-value]
+
+
+def warn_if_unknown_arch(target: Target, source: str) -> None:
+    """A simulated arch that parses but that no platform lists (``sm91``, ``gfx9500``) is most likely a typo."""
+    known = platform_of(target.vendor).archs
+    if target.arch not in known:
+        import warnings
+
+        warnings.warn(f"dsa_indexer: {source} names {target.arch}, which the {target.vendor} platform does not list "
+                      f"({', '.join(known)}); resolving for it anyway", RuntimeWarning, stacklevel=3)
 
 
 def reload_environment() -> None:
