@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dsa_indexer import DecodeBatch, IndexerConfig, IndexKCache, Indexer, ops
+from dsa_indexer.backends.rocm import gemm as rocm_gemm
 from dsa_indexer.backends.rocm import quant as rocm_quant
 from dsa_indexer.contract.quant import PRODUCER_ROUNDED, PRODUCER_UNROUNDED, Fp8GroupLayout, QuantizedActivation
 from dsa_indexer.dispatch import Environment
@@ -31,14 +32,30 @@ def fused_rms_fp8_group_quant_double(x, w, eps, group_size=128, dtype_quant=torc
     return (q, scale.squeeze(-1)), normed.to(x.dtype), None, None
 
 
+def gemm_a8w8_blockscale_double(XQ, WQ, x_scale, w_scale, dtype=torch.bfloat16):
+    """A DOUBLE of aiter's CK ``gemm_a8w8_blockscale``, written from its documented contract (aiter's op test
+    reference): XQ [M, K] and WQ [N, K] fp8 of one flavour, x_scale [M, K/128] and w_scale [N/128, K/128] fp32
+    row-major; dequantize per (row, 128-group) and per 128 x 128 block, multiply in fp32, return [M, N] in dtype."""
+    m, k = XQ.shape
+    n = WQ.shape[0]
+    assert XQ.dtype == WQ.dtype and x_scale.dtype == w_scale.dtype == torch.float32 and dtype in (torch.bfloat16,
+                                                                                               torch.float16)
+    assert x_scale.shape == (m, -(-k // 128)) and x_scale.is_contiguous(), "x_scale must be [M, K/128] row-major"
+    assert w_scale.shape == (-(-n // 128), -(-k // 128)) and w_scale.is_contiguous()
+    a = XQ.float() * x_scale.repeat_interleave(128, 1)[:, :k]
+    b = WQ.float() * w_scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return (a @ b.T).to(dtype)
+
+
 @pytest.fixture
 def amd_registry(monkeypatch):
-    """The default registry with aiter simulated present and its fused kernel replaced by the double."""
+    """The default registry with aiter simulated present; its fused kernel and CK GEMM replaced by the doubles."""
     registry = default_registry()
     before = registry.environment
     registry.set_environment(Environment.simulated(gpu=True, triton=True, aiter=True))
     monkeypatch.setattr(rocm_quant, "find_fused_rms_quant",
                         lambda: ("double.fused_rms_fp8_group_quant", fused_rms_fp8_group_quant_double))
+    monkeypatch.setattr(rocm_gemm, "find_gemm", lambda: ("double.gemm_a8w8_blockscale", gemm_a8w8_blockscale_double))
     try:
         yield registry
     finally:
@@ -153,3 +170,30 @@ def test_run_verifies_on_each_amd_target(target, tmp_path):
     assert main(["run", "--target", target, "--batch", "2", "--context", "300", "--steps", "1", "--prefill-tokens",
                  "64", "--json", str(report)]) == 0
     assert json.loads(report.read_text())["verified"] is True
+
+
+def test_the_ck_gemm_consumer_takes_the_reused_copy_on_gfx950(amd_registry):
+    """On gfx950 with aiter, explain shows the aiter producer and the CK consumer chosen; the step runs through the
+    CK adapter (its double here) with the reused copy, and matches the reference GEMM's top-k."""
+    from dsa_indexer import parse_target
+
+    gfx950 = parse_target("gfx950")
+    gemm = amd_registry.resolve("gemm_fp8_blockscale", gfx950,
+                                ops.problem("gemm_fp8_blockscale", n=512, k=384, out="torch.bfloat16", fp8="fn"))
+    assert gemm.chosen.impl_id == "gemm_fp8_blockscale.rocm.aiter" and "aiter.gemm_a8w8_blockscale" in gemm.explain()
+    indexer, cache, db, x, q_a, norm_w = _step(9, "gfx950")
+    q_lora, quant = ops.rmsnorm_quant_fp8(q_a, norm_w, 1e-6, target="gfx950")
+    got = indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant)
+    assert indexer.reuse_stats["reused"] == 1
+    # The CK adapter against the reference GEMM on the same operands.
+    w = indexer.wq_b
+    fn = amd_registry.function("gemm_fp8_blockscale", gfx950,
+                               ops.problem("gemm_fp8_blockscale", n=512, k=384, out="torch.bfloat16", fp8="fn"))
+    from dsa_indexer.backends.reference import kernels as ref
+
+    want = ref.gemm_fp8_blockscale(quant.data, quant.scales, w.weight, w.weight_scale_inv, torch.bfloat16)
+    assert torch.allclose(fn(quant.data, quant.scales, w.weight, w.weight_scale_inv, torch.bfloat16).float(),
+                          want.float(), rtol=2 ** -7, atol=1e-3)
+    assert got.shape == (2, CFG.topk)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        fn(quant.data, quant.scales, w.weight, w.weight_scale_inv, torch.float32)

@@ -1,7 +1,7 @@
 """The arch matrix: for every target x every op, the implementation resolution picks, with vendor libraries
 simulated as present or absent. The golden table below is the design, written down and reviewed by hand:
-vendor libraries (DeepGEMM on sm90/sm100, aiter on gfx942/gfx950, aiter's fused RMSNorm + quant also on gfx1250
-but not on gfx942's e4m3fnuz) where they serve the shape, Triton on every
+vendor libraries (DeepGEMM on sm90/sm100, aiter on gfx942/gfx950, aiter's CK block-scale GEMM on all three AMD
+archs, aiter's fused RMSNorm + quant also on gfx1250 but not on gfx942's e4m3fnuz) where they serve the shape, Triton on every
 NVIDIA and AMD arch, the pure-torch reference elsewhere; the dual-stream pipeline on CUDA targets only."""
 
 import pytest
@@ -31,13 +31,13 @@ sm120   triton  tri  2s tri cmp tri tri tri tri tri tri
 sm120   vendor  tri  2s tri cmp tri tri tri tri tri tri
 gfx942  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx942  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx942  vendor  tri  1s tri cmp tri tri tri ai  tri tri
+gfx942  vendor  ai   1s tri cmp tri tri tri ai  tri tri
 gfx950  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx950  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx950  vendor  tri  1s tri cmp tri tri tri ai  ai  tri
+gfx950  vendor  ai   1s tri cmp tri tri tri ai  ai  tri
 gfx1250 none    ref  1s ref cmp ref ref ref ref ref ref
 gfx1250 triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx1250 vendor  tri  1s tri cmp tri tri tri tri ai  tri
+gfx1250 vendor  ai   1s tri cmp tri tri tri tri ai  tri
 npu     none    ref  1s ref cmp ref ref ref ref ref ref
 npu     triton  ref  1s ref cmp ref ref ref ref ref ref
 npu     vendor  ref  1s ref cmp ref ref ref ref ref ref

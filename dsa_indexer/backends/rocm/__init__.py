@@ -28,7 +28,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
-from ...contract.quant import PRODUCER_UNROUNDED
+from ...contract.quant import GEMM_INPUT_LAYOUT, PRODUCER_UNROUNDED
 from .quant import aiter_fused_rms_fp8_group_quant
 
 __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
@@ -49,8 +49,6 @@ UNREGISTERED = {
                         "reference: scale max is 240 for e4m3fnuz (library: 224), ue8m0 uses exp2f(ceilf(log2f(s))) "
                         "(can round down), and it multiplies by 1/scale (1 fp8 ulp); the Triton kernel already fuses "
                         "norm + RoPE + Hadamard + quant + store",
-    "gemm_fp8_blockscale": "aiter.gemm_a8w8_blockscale (CK, HIP only): the memory layout CK expects for x_scale "
-                           "([M, K/128] row-major or [K/128, M]) is not settled from the Python sources read",
     "quant_fp8_groups": "no aiter function quantizes with this contract's recipe (amax clamp 1e-4, 224 on fnuz)",
     "q_prologue": "no aiter function fuses RoPE + Hadamard + quant + the weight fold",
     "lightning_indexer": "no aiter fused paged logits + top-k for this cache layout (the generic composition of "
@@ -142,6 +140,23 @@ def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
     return None
 
 
+def _gemm_supports(problem: Problem, target: Target) -> str | None:
+    out = problem.get("out")
+    if out is not None and out not in ("torch.bfloat16", "torch.float16"):
+        return f"out={out}: aiter's gemm_a8w8_blockscale writes bf16 or fp16"
+    fp8 = problem.get("fp8")
+    want = FP8_BY_ARCH.get(target.arch)
+    if fp8 is not None and want is not None and fp8 != want:
+        return f"fp8={fp8} on {target.arch}: aiter there takes float8_e4m3{want} (aiter.dtypes.fp8)"
+    return None
+
+
+def _gemm_factory():
+    from .gemm import make_gemm_fp8_blockscale
+
+    return make_gemm_fp8_blockscale()
+
+
 def _rms_quant_factory():
     from .quant import make_rmsnorm_quant_fp8
 
@@ -166,6 +181,14 @@ def dsa_indexer_register(registry: Registry) -> None:
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
                             "are passed rounded down and columns [ks & ~127, ks) are set to -inf after"},
     )(_ragged_factory)
+    registry.implementation(
+        "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,
+        priority=AITER_PRIORITY, requires=("gpu", "aiter"),
+        available=_available("gemm_blockscale", "gemm_fp8_blockscale"),
+        supports=_gemm_supports,
+        description="aiter's CK gemm_a8w8_blockscale (x_scale [M, K/128] fp32 row-major, w_scale [N/128, K/128])",
+        info={"vendor_function": "aiter.gemm_a8w8_blockscale", "input_layout": GEMM_INPUT_LAYOUT},
+    )(_gemm_factory)
     registry.implementation(
         "rmsnorm_quant_fp8", impl_id="rmsnorm_quant_fp8.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("fused_rms_quant", "rmsnorm_quant_fp8"),

@@ -34,12 +34,14 @@ class AiterApi:
     ragged_kernel: str | None = None
     topk_decode: str | None = None
     fused_rms_quant: str | None = None
+    gemm_blockscale: str | None = None
     ragged_self_test: str | None = None  # None: passed (or not run); else why it failed
 
     def describe(self) -> str:
         fp8 = str(self.fp8_dtype).replace("torch.", "") if self.fp8_dtype is not None else "?"
         return (f"aiter {self.version} (fp8 {fp8}; ragged logits: {self.ragged_wrapper or '-'}; "
-                f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'})")
+                f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'}; "
+                f"block-scale GEMM: {self.gemm_blockscale or '-'})")
 
 
 def _version() -> str:
@@ -56,15 +58,16 @@ def detect_api() -> AiterApi:
     """Find, in the importable aiter, the functions the adapters call (imports aiter and its submodules)."""
     import aiter
 
-    from . import logits, quant, topk
+    from . import gemm, logits, quant, topk
 
     dtypes = getattr(aiter, "dtypes", None)
     api = AiterApi(version=_version(), fp8_dtype=getattr(dtypes, "fp8", None))
     wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
-    decode, fused = topk.find_decode(), quant.find_fused_rms_quant()
+    decode, fused, blockscale = topk.find_decode(), quant.find_fused_rms_quant(), gemm.find_gemm()
     return dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
                                ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
-                               fused_rms_quant=fused[0] if fused else None)
+                               fused_rms_quant=fused[0] if fused else None,
+                               gemm_blockscale=blockscale[0] if blockscale else None)
 
 
 def self_test(api: AiterApi, device: torch.device) -> AiterApi:
