@@ -31,10 +31,10 @@ sm120   triton  tri  2s tri cmp tri tri tri tri tri tri
 sm120   vendor  tri  2s tri cmp tri tri tri tri tri tri
 gfx942  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx942  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx942  vendor  ai   1s tri cmp tri tri tri ai  tri tri
+gfx942  vendor  ai   1s tri cmp ai  tri tri ai  tri tri
 gfx950  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx950  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx950  vendor  ai   1s tri cmp tri tri tri ai  ai  tri
+gfx950  vendor  ai   1s tri cmp ai  tri tri ai  ai  tri
 gfx1250 none    ref  1s ref cmp ref ref ref ref ref ref
 gfx1250 triton  tri  1s tri cmp tri tri tri tri tri tri
 gfx1250 vendor  ai   1s tri cmp tri tri tri tri ai  tri

@@ -143,10 +143,78 @@ def test_ops_aiter_cannot_serve_have_no_rocm_implementation(registry, op):
     assert res.chosen is not None  # Triton or the reference serves it, visibly
 
 
-def test_paged_logits_on_rocm_go_to_triton(registry):
-    res = registry.resolve("paged_mqa_logits", GFX942, Problem(heads=64, dim=128, next_n=1, fp8="fnuz"),
+@pytest.mark.parametrize("target", [GFX942, GFX950])
+def test_paged_logits_on_rocm_take_aiters_block_kernel_for_next_n_1(registry, target):
+    fp8 = ROCM_TARGETS[target]
+    res = registry.resolve("paged_mqa_logits", target, Problem(heads=64, dim=128, next_n=1, fp8=fp8),
+                           environment=WITH_AITER)
+    assert res.chosen.impl_id == "paged_mqa_logits.rocm.aiter"
+    res = registry.resolve("paged_mqa_logits", target, Problem(heads=64, dim=128, next_n=2, fp8=fp8),
                            environment=WITH_AITER)
     assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
+    assert "one length per request" in _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    res = registry.resolve("paged_mqa_logits", GFX1250, Problem(heads=64, dim=128, next_n=1, fp8="fn"),
+                           environment=WITH_AITER)
+    assert "KVBlockSize 1" in _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    res = registry.resolve("paged_mqa_logits", target, Problem(heads=64, dim=128, next_n=1, fp8=fp8),
+                           environment=WITHOUT_AITER)
+    assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
+
+
+def test_paged_adapter_marshals_the_block_level_call():
+    """A DOUBLE of aiter's block-level deepgemm_fp8_paged_mqa_logits (its documented signature; it computes the
+    reference into out_logits) records the call: 1-D lengths, the block table, KVBlockSize 64, -inf pre-filled."""
+    from dsa_indexer.backends.rocm import paged
+    from dsa_indexer.testing import random_cache
+
+    calls = []
+
+    def deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
+                                      Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
+                                      VarCtxSchedule=None):
+        calls.append((context_lens.clone(), kv_indices, KVBlockSize, Preshuffle, torch.isinf(out_logits).all()))
+        lens2d = context_lens.view(-1, 1)
+        out_logits.copy_(ref.paged_mqa_logits(q_fp8, kv_cache, weights, lens2d, kv_indices, max_model_len))
+
+    assert paged._takes_block_size(deepgemm_fp8_paged_mqa_logits)
+    fn = paged.make_paged_mqa_logits("wrapper", deepgemm_fp8_paged_mqa_logits)
+    cache = random_cache(6, "cpu", seed=2)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    q = (torch.randn(2, 1, 16, 128) * 30).to(torch.float8_e4m3fn)
+    w = torch.randn(2, 16)
+    lens = torch.tensor([[130], [7]], dtype=torch.int32)
+    got = fn(q, cache.data, w, lens, table, 192)
+    assert torch.equal(got, ref.paged_mqa_logits(q, cache.data, w, lens, table, 192))
+    (seen_lens, seen_table, block, preshuffle, prefilled), = calls
+    assert seen_lens.tolist() == [130, 7] and seen_table is not None and block == 64 and not preshuffle and prefilled
+    with pytest.raises(ValueError, match="next_n 1"):
+        fn(q.view(1, 2, 16, 128), cache.data, w, lens.view(1, 2), table[:1], 192)
+
+
+@pytest.mark.skipif(not (Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[1] / ".deps" /
+                                             "aiter_head_pkg")) / "aiter").is_dir(),
+                    reason="the newest aiter's Python package is not at .deps/aiter_head_pkg (set DSA_AITER_HEAD_PKG)")
+def test_paged_adapter_over_aiters_real_block_kernel(device):
+    """aiter's real ``_deepgemm_fp8_paged_mqa_logits`` (ROCm/aiter HEAD e4048607; the interpreter without CUDA)
+    through the adapter's kernel launch, on a shuffled block table, against the reference: -inf pattern exact,
+    finite values within 1e-5 x the largest |logit| (fp32 sums in another order)."""
+    from dsa_indexer.backends.rocm import paged
+    from dsa_indexer.testing import random_cache
+
+    head = Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[1] / ".deps" / "aiter_head_pkg"))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    with _aiter_shim(head):
+        fn = paged.make_paged_mqa_logits("kernel")
+        cache = random_cache(12, device, seed=3)
+        table = torch.randperm(12, generator=gen).to(torch.int32).view(3, 4).to(device)
+        lens = torch.tensor([[70], [256], [5]], dtype=torch.int32, device=device)
+        q = (torch.randn(3, 1, 16, 128, generator=gen) * 50).to(torch.float8_e4m3fn).to(device)
+        w = torch.randn(3, 16, generator=gen).to(device)
+        got = fn(q, cache.data, w, lens, table, 256).cpu()
+    want = ref.paged_mqa_logits(q.cpu(), cache.data.cpu(), w.cpu(), lens.cpu(), table.cpu(), 256)
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert (got - want)[finite].abs().max() <= 1e-5 * want[finite].abs().max()
 
 
 def test_simulated_environment_keeps_its_aiter_and_torch_npu_facts():

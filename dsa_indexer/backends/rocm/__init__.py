@@ -41,10 +41,6 @@ HEAD_DIM = 128
 TOPK = 2048
 
 UNREGISTERED = {
-    "paged_mqa_logits": "aiter's deepgemm_fp8_paged_mqa_logits reads a page-size-1 cache [tokens, 1, 1, 132] with "
-                        "each token's scale after its 128 bytes and a token-level index table; this library's cache "
-                        "is 64-token pages with the 64 scales after the 64 rows, which no stride of that kernel "
-                        "can address (re-laying the cache out per call would cost more than the logits)",
     "k_prologue_store": "aiter's indexer_k_quant_and_cache is quant + store only and its bytes differ from the "
                         "reference: scale max is 240 for e4m3fnuz (library: 224), ue8m0 uses exp2f(ceilf(log2f(s))) "
                         "(can round down), and it multiplies by 1/scale (1 fp8 ulp); the Triton kernel already fuses "
@@ -140,6 +136,30 @@ def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
     return None
 
 
+def _paged_supports(problem: Problem, target: Target) -> str | None:
+    if target.arch == "gfx1250":
+        return ("gfx1250: aiter's paged path there takes KVBlockSize 1 without preshuffle; this cache has 64-token "
+                "pages (the Triton kernel serves it)")
+    reason = _arch_checks(problem, target, "deepgemm_fp8_paged_mqa_logits")
+    if reason:
+        return reason
+    if problem.get("next_n") not in (None, 1):
+        return (f"next_n={problem.get('next_n')}: aiter's paged kernel derives the rows' lengths from one length "
+                "per request (causal next_n), not the per-row lengths of this op")
+    if problem.get("dim") not in (None, HEAD_DIM):
+        return f"head dim {problem.get('dim')}: the cache layout's is {HEAD_DIM}"
+    heads = problem.get("heads")
+    if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
+        return f"heads={heads}: aiter's paged kernel tiles all heads in one tl.dot (a power of two, 16..128)"
+    return None
+
+
+def _paged_factory():
+    from .paged import make_paged_mqa_logits
+
+    return make_paged_mqa_logits(launch="wrapper")
+
+
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
     out = problem.get("out")
     if out is not None and out not in ("torch.bfloat16", "torch.float16"):
@@ -181,6 +201,13 @@ def dsa_indexer_register(registry: Registry) -> None:
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
                             "are passed rounded down and columns [ks & ~127, ks) are set to -inf after"},
     )(_ragged_factory)
+    registry.implementation(
+        "paged_mqa_logits", impl_id="paged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
+        requires=("gpu", "aiter"), available=_available("paged_logits", "paged_mqa_logits"), supports=_paged_supports,
+        description="aiter's deepgemm_fp8_paged_mqa_logits, KVBlockSize 64 (reads paged64_fp8_e4m3 directly)",
+        info={"vendor_function": "aiter.ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits",
+              "layout": "KVBlockSize=64: per block 64 x 128 fp8 then 64 fp32 scales (this library's cache)"},
+    )(_paged_factory)
     registry.implementation(
         "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,
         priority=AITER_PRIORITY, requires=("gpu", "aiter"),

@@ -35,13 +35,14 @@ class AiterApi:
     topk_decode: str | None = None
     fused_rms_quant: str | None = None
     gemm_blockscale: str | None = None
+    paged_logits: str | None = None  # the block-level deepgemm_fp8_paged_mqa_logits (a KVBlockSize parameter)
     ragged_self_test: str | None = None  # None: passed (or not run); else why it failed
 
     def describe(self) -> str:
         fp8 = str(self.fp8_dtype).replace("torch.", "") if self.fp8_dtype is not None else "?"
         return (f"aiter {self.version} (fp8 {fp8}; ragged logits: {self.ragged_wrapper or '-'}; "
                 f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'}; "
-                f"block-scale GEMM: {self.gemm_blockscale or '-'})")
+                f"block-scale GEMM: {self.gemm_blockscale or '-'}; paged logits: {self.paged_logits or '-'})")
 
 
 def _version() -> str:
@@ -58,16 +59,18 @@ def detect_api() -> AiterApi:
     """Find, in the importable aiter, the functions the adapters call (imports aiter and its submodules)."""
     import aiter
 
-    from . import gemm, logits, quant, topk
+    from . import gemm, logits, paged, quant, topk
 
     dtypes = getattr(aiter, "dtypes", None)
     api = AiterApi(version=_version(), fp8_dtype=getattr(dtypes, "fp8", None))
     wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
     decode, fused, blockscale = topk.find_decode(), quant.find_fused_rms_quant(), gemm.find_gemm()
+    paged_fn = paged.find_wrapper()
     return dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
                                ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
                                fused_rms_quant=fused[0] if fused else None,
-                               gemm_blockscale=blockscale[0] if blockscale else None)
+                               gemm_blockscale=blockscale[0] if blockscale else None,
+                               paged_logits=paged_fn[0] if paged_fn else None)
 
 
 def self_test(api: AiterApi, device: torch.device) -> AiterApi:
@@ -94,9 +97,10 @@ def _device_check() -> str | None:
 
 
 def _usable(api: AiterApi) -> str | None:
-    if not (api.ragged_wrapper or api.topk_decode):
+    if not (api.ragged_wrapper or api.topk_decode or api.fused_rms_quant or api.gemm_blockscale or api.paged_logits):
         return (f"aiter {api.version} exposes none of the functions this backend adapts "
-                f"(fp8_mqa_logits, top_k_per_row_decode)")
+                f"(fp8_mqa_logits, top_k_per_row_decode, fused_rms_fp8_group_quant, gemm_a8w8_blockscale, "
+                f"deepgemm_fp8_paged_mqa_logits)")
     return None
 
 
