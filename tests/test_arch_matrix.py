@@ -18,6 +18,7 @@ OPS = ("gemm_fp8_blockscale", "indexer_pipeline", "k_prologue_store", "lightning
        "q_prologue", "quant_fp8_groups", "ragged_mqa_logits", "rmsnorm_quant_fp8", "topk_indices")
 
 # Columns follow OPS. ref = reference.torch, tri = triton.<module>, dg = cuda.deepgemm, ai = rocm.aiter,
+# ais = rocm.aiter_stable (aiter's top-k with stable=True),
 # 1s = generic.single_stream, 2s = cuda.dual_stream, cmp = generic.composed.
 GOLDEN = """
 sm90    none    ref  2s ref cmp ref ref ref ref ref ref
@@ -31,10 +32,10 @@ sm120   triton  tri  2s tri cmp tri tri tri tri tri tri
 sm120   vendor  tri  2s tri cmp tri tri tri tri tri tri
 gfx942  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx942  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx942  vendor  ai   1s tri cmp ai  tri tri ai  tri tri
+gfx942  vendor  ai   1s tri cmp ai  tri tri ai  tri ais
 gfx950  none    ref  1s ref cmp ref ref ref ref ref ref
 gfx950  triton  tri  1s tri cmp tri tri tri tri tri tri
-gfx950  vendor  ai   1s tri cmp ai  tri tri ai  ai  tri
+gfx950  vendor  ai   1s tri cmp ai  tri tri ai  ai  ais
 gfx1250 none    ref  1s ref cmp ref ref ref ref ref ref
 gfx1250 triton  tri  1s tri cmp tri tri tri tri tri tri
 gfx1250 vendor  ai   1s tri cmp tri tri tri tri ai  tri
@@ -45,7 +46,7 @@ cpu     none    ref  1s ref cmp ref ref ref ref ref ref
 cpu     triton  ref  1s ref cmp ref ref ref ref ref ref
 cpu     vendor  ref  1s ref cmp ref ref ref ref ref ref
 """
-SHORT = {"ref": "reference.torch", "dg": "cuda.deepgemm", "ai": "rocm.aiter", "1s": "generic.single_stream",
+SHORT = {"ref": "reference.torch", "dg": "cuda.deepgemm", "ai": "rocm.aiter", "ais": "rocm.aiter_stable", "1s": "generic.single_stream",
          "2s": "cuda.dual_stream", "cmp": "generic.composed"}
 TRITON_MODULE = {"gemm_fp8_blockscale": "gemm", "k_prologue_store": "prologue", "q_prologue": "prologue",
                  "paged_mqa_logits": "logits", "ragged_mqa_logits": "logits", "quant_fp8_groups": "quant",

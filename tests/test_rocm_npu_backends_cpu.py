@@ -116,9 +116,19 @@ def test_ragged_power_of_two_heads_accepted(registry, heads):
 
 
 # --- resolution: top-k and the ops aiter does not serve -------------------------------------------------------------
-def test_aiter_topk_ranks_below_triton_and_is_usable_when_forced(registry):
+def test_aiter_topk_ranks_below_triton_and_is_usable_when_forced(registry, monkeypatch):
+    # With stable=True (newer aiter: lower-index ties, deterministic) aiter's top-k is the default; the plain one
+    # (non-deterministic ties) ranks below Triton.
     res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=WITH_AITER)
+    assert res.chosen.impl_id == "topk_indices.rocm.aiter_stable"
+    assert _candidate(res, "topk_indices.rocm.aiter").reason.startswith("usable, lower priority")
+    # An aiter whose top-k has no stable argument: Triton serves, the plain aiter top-k stays below it.
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-no-stable")
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", (None, aiter_api.AiterApi(
+        version="0.0-fake", fp8_dtype=torch.float8_e4m3fn, topk_decode="t")))
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed)
     assert res.chosen.impl_id == "topk_indices.triton.topk"
+    assert "has no function for topk_indices (stable)" in _candidate(res, "topk_indices.rocm.aiter_stable").reason
     assert _candidate(res, "topk_indices.rocm.aiter").reason == "usable, lower priority than topk_indices.triton.topk"
     res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=WITH_AITER,
                            force="topk_indices.rocm.aiter")
@@ -126,7 +136,7 @@ def test_aiter_topk_ranks_below_triton_and_is_usable_when_forced(registry):
     assert "not deterministic" in res.explain()
     no_triton = Environment.simulated(gpu=True, triton=False, aiter=True)
     res = registry.resolve("topk_indices", GFX942, Problem(**TOPK), environment=no_triton)
-    assert res.chosen.impl_id == "topk_indices.rocm.aiter"
+    assert res.chosen.impl_id == "topk_indices.rocm.aiter_stable"
 
 
 @pytest.mark.parametrize("facts, words", [(dict(k=512), "k=512"), (dict(starts=True), "ragged row starts")])

@@ -226,6 +226,14 @@ def dsa_indexer_register(registry: Registry) -> None:
               "producer": PRODUCER_UNROUNDED},
     )(_rms_quant_factory)
     registry.implementation(
+        "topk_indices", impl_id="topk_indices.rocm.aiter_stable", targets=AITER_TARGETS, priority=AITER_PRIORITY,
+        requires=("gpu", "aiter"), available=_available("topk_stable", "topk_indices (stable)"),
+        supports=_topk_supports,
+        description="aiter HIP top_k_per_row_decode(stable=True) (k=2048): ties to the lower index, deterministic",
+        info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode(stable=True)",
+              "ties": "stable=True: the smallest indices among values equal to the k-th (this op's contract)"},
+    )(_topk_factory)
+    registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter", targets=AITER_TARGETS, priority=TOPK_PRIORITY,
         requires=("gpu", "aiter"), available=_available("topk_decode", "topk_indices"), supports=_topk_supports,
         description="aiter HIP top_k_per_row_decode (k=2048); ties NOT lower-index (atomics): opt-in, below Triton",

@@ -33,6 +33,7 @@ class AiterApi:
     ragged_wrapper: str | None = None
     ragged_kernel: str | None = None
     topk_decode: str | None = None
+    topk_stable: str | None = None  # the decode top-k takes stable=True (lower-index ties, deterministic)
     fused_rms_quant: str | None = None
     gemm_blockscale: str | None = None
     paged_logits: str | None = None  # the block-level deepgemm_fp8_paged_mqa_logits (a KVBlockSize parameter)
@@ -66,11 +67,13 @@ def detect_api() -> AiterApi:
     wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
     decode, fused, blockscale = topk.find_decode(), quant.find_fused_rms_quant(), gemm.find_gemm()
     paged_fn = paged.find_wrapper()
+    stable = decode if decode and topk.takes_stable(decode[1]) else None
     return dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
                                ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
                                fused_rms_quant=fused[0] if fused else None,
                                gemm_blockscale=blockscale[0] if blockscale else None,
-                               paged_logits=paged_fn[0] if paged_fn else None)
+                               paged_logits=paged_fn[0] if paged_fn else None,
+                               topk_stable=stable[0] if stable else None)
 
 
 def self_test(api: AiterApi, device: torch.device) -> AiterApi:

@@ -48,6 +48,14 @@ def find_decode() -> tuple[str, Callable] | None:
     return None
 
 
+def takes_stable(fn: Callable) -> bool:
+    """Newer aiter's top-k takes ``stable=True``: one-block kernel, ties at the k-th value to the smallest index."""
+    try:
+        return "stable" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def make_topk_indices(top_k_per_row_decode: Callable | None = None) -> Callable[..., torch.Tensor]:
     """``topk_indices`` with the reference's signature, computed by aiter's decode top-k. The registration's
     ``supports`` admits only k == 2048 and starts None; the adapter re-checks both and raises otherwise."""
