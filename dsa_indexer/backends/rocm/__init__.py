@@ -1,22 +1,23 @@
-"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950).
+"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950, gfx1250 by feature).
 
-Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the per-op table and reasons):
+Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the per-arch table, versions and what
+was run where):
 
-- the probe of the environment fact ``aiter`` (`aiter_api.probe`): import inside a try, API detection by feature,
-  and a self-test of the ragged-logits adapter on the GPU; on a machine without ROCm it returns a reason;
-- ``ragged_mqa_logits.rocm.aiter`` at priority 200 (above Triton's 100): aiter's Triton ``fp8_mqa_logits`` with
-  the start-alignment workaround (`logits.py`);
-- ``topk_indices.rocm.aiter`` at priority 50, BELOW Triton: aiter's HIP ``top_k_per_row_decode``; its choice
-  among tied logits is not deterministic, so it runs only when forced or when Triton cannot run (`topk.py`).
+- the probe of the environment fact ``aiter`` (`aiter_api.probe`, the shared vendor-library probe): import inside a
+  try, API detection by feature, a self-test of the ragged-logits adapter on the GPU; without ROCm, a reason;
+- ``rmsnorm_quant_fp8.rocm.aiter`` (200): aiter's fused RMSNorm + fp8 quant, attention's q_lora producer in the seed
+  integration, declared ``PRODUCER_UNROUNDED`` (`quant.py`); the ROCm platform reuses its copy by default;
+- ``gemm_fp8_blockscale.rocm.aiter`` (200): the CK block-scale GEMM, the reuse consumer (`gemm.py`);
+- ``paged_mqa_logits.rocm.aiter`` (200, next_n 1): the block-level paged logits reading this cache (`paged.py`);
+- ``ragged_mqa_logits.rocm.aiter`` (200): aiter's Triton ``fp8_mqa_logits`` with the start-alignment workaround;
+- ``topk_indices.rocm.aiter_stable`` (200) when the decode top-k takes ``stable=`` (lower-index ties), and
+  ``topk_indices.rocm.aiter`` (50, below Triton: non-deterministic ties) otherwise (`topk.py`).
 
-Not registered, with the reason (also in ``UNREGISTERED``): paged logits (aiter's paged kernel reads a page-size-1
-cache with per-token scales, not this library's 64-token pages), the K store (aiter's ``indexer_k_quant_and_cache``
-does not reproduce the reference bytes), the block-fp8 GEMM (scale layout of the CK kernel not settled), the
-fused RMSNorm + quant (a different recipe; exposed as `quant.aiter_fused_rms_fp8_group_quant`).
+Not registered, with the reason (``UNREGISTERED``): the K store (aiter's cache ops have no Hadamard and another
+fnuz range), the plain quant and the q prologue (no aiter function with this recipe / fusion).
 
-Targets: gfx942 takes e4m3fnuz, gfx950 e4m3fn; problems of the other flavour are rejected with a reason.
-gfx1250 is listed so that `dsa-indexer explain` names it, and rejected: no public integration runs these aiter
-kernels on gfx1250 and they have not been run there, so Triton serves it.
+Targets: gfx942 takes e4m3fnuz, gfx950 and gfx1250 e4m3fn; problems of the other flavour are rejected with a
+reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (nothing was run there).
 
 ``aiter`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
 """
