@@ -70,3 +70,19 @@ def real_decode_logits(batch: int, context: int, device, seed: int = 0, indexer:
     q = q_fp8.view(batch, 1, cfg.n_heads, cfg.head_dim)
     logits = ops.paged_mqa_logits(q, cache.data, weights, lens, table, context)
     return logits, lens, table, q, weights, cache
+
+
+def cuda_kernels(fn) -> "Counter[str]":
+    """The CUDA kernels one call of ``fn`` launches, by name (torch profiler; memcpy / memset left out). ``fn`` runs
+    once before, so JIT compiles and first resolutions stay out of the count."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return Counter(e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
+                   and "Memset" not in e.name)

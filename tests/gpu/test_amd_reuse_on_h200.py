@@ -8,8 +8,6 @@ decode batches (the at-most-1-fp8-ulp difference) is printed and must be >= 0.99
 NOT checked: HIP/CK kernels, AMD hardware, e4m3fnuz.
 """
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -19,7 +17,7 @@ from dsa_indexer import IndexerConfig, Indexer, ops, parse_target
 from dsa_indexer.contract.quant import PRODUCER_UNROUNDED
 from dsa_indexer.dispatch import Environment
 from dsa_indexer.dispatch.plugins import default_registry
-from dsa_indexer.testing import decode_step
+from dsa_indexer.testing import cuda_kernels, decode_step
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the H200 test machine)"),
@@ -35,18 +33,6 @@ def simulated_gfx950():
     with _aiter_shim(AITER_PKG):
         yield registry
     registry.set_environment(before)
-
-
-def _kernels(fn) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return Counter(e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
-                   and "Memset" not in e.name)
 
 
 def test_aiter_producer_reused_by_default_on_gfx950(simulated_gfx950):
@@ -72,8 +58,8 @@ def test_aiter_producer_reused_by_default_on_gfx950(simulated_gfx950):
     print(f"gfx950 (simulated on the H200): top-2048 agreement, aiter's copy reused vs re-quantized: "
           f"{agree / total:.5f} over 16 batches x 8 rows")
     assert agree / total >= 0.99
-    launched_with = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant))
-    launched_without = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache))
+    launched_with = cuda_kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant))
+    launched_without = cuda_kernels(lambda: indexer(x, q_lora, db.positions, db, cache))
     extra = launched_without - launched_with
     assert sum(extra.values()) == 1 and not (launched_with - launched_without), (extra, launched_with)
     (kernel,) = extra

@@ -1,29 +1,15 @@
 """q_lora fp8 reuse on the GPU: bit-identical top-k, and exactly one quant kernel fewer per indexer step."""
 
-from collections import Counter
-
 import pytest
 import torch
 
 from dsa_indexer import IndexerConfig, Indexer
-from dsa_indexer.testing import decode_step
+from dsa_indexer.testing import cuda_kernels, decode_step
 
 pytestmark = pytest.mark.gpu
 
 CONFIGS = {"v3.2": IndexerConfig.deepseek_v32(max_position=16384),
            "v4-flash": IndexerConfig.deepseek_v4_flash(max_position=16384)}
-
-
-def _kernels(fn) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # warm: JIT compiles and first resolutions stay out of the count
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return Counter(e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
-                   and "Memset" not in e.name)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -37,9 +23,9 @@ def test_reuse_is_bit_identical_and_removes_one_quant_kernel(name):
     without = indexer(x, q_lora, db.positions, db, cache, compressor_state=state)
     assert torch.equal(with_reuse, without)
     assert indexer.reuse_stats["reused"] == 1
-    launched_with = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant,
+    launched_with = cuda_kernels(lambda: indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant,
                                              compressor_state=state))
-    launched_without = _kernels(lambda: indexer(x, q_lora, db.positions, db, cache, compressor_state=state))
+    launched_without = cuda_kernels(lambda: indexer(x, q_lora, db.positions, db, cache, compressor_state=state))
     extra = launched_without - launched_with
     assert sum(extra.values()) == 1 and not (launched_with - launched_without), (extra, launched_with)
     (kernel,) = extra

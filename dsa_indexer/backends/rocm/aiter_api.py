@@ -11,9 +11,11 @@ resolution that needs the fact.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +46,21 @@ class AiterApi:
         return (f"aiter {self.version} (fp8 {fp8}; ragged logits: {self.ragged_wrapper or '-'}; "
                 f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'}; "
                 f"block-scale GEMM: {self.gemm_blockscale or '-'}; paged logits: {self.paged_logits or '-'})")
+
+
+def find_function(modules: tuple[str, ...], name: str, *, callable_only: bool = False) -> tuple[str, Any] | None:
+    """The first ``module.name`` that imports, as (dotted path, object); None when none does. aiter's module paths
+    moved between releases (``aiter.ops.triton.X`` -> ``aiter.ops.triton.<family>.X``), so every adapter lists the
+    places it knows and takes the first that exists."""
+    for module_name in modules:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        obj = getattr(module, name, None)
+        if obj is not None and (callable(obj) or not callable_only):
+            return f"{module_name}.{name}", obj
+    return None
 
 
 def _version() -> str:

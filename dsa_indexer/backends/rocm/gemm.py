@@ -15,25 +15,18 @@ signature (tests/test_rocm_npu_backends_cpu.py).
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
 
-GEMM_NAMES = ("gemm_a8w8_blockscale",)
+from .aiter_api import find_function
+
+GEMM_NAME = "gemm_a8w8_blockscale"
 
 
 def find_gemm() -> tuple[str, Callable] | None:
     """aiter's ``gemm_a8w8_blockscale`` (imports aiter)."""
-    try:
-        aiter = importlib.import_module("aiter")
-    except ImportError:
-        return None
-    for name in GEMM_NAMES:
-        fn = getattr(aiter, name, None)
-        if callable(fn):
-            return f"aiter.{name}", fn
-    return None
+    return find_function(("aiter",), GEMM_NAME, callable_only=True)
 
 
 def make_gemm_fp8_blockscale(gemm_a8w8_blockscale: Callable | None = None) -> Callable[..., torch.Tensor]:

@@ -30,11 +30,12 @@ This module never imports ``aiter`` at import time; `find_wrapper` / `find_kerne
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 import torch
+
+from .aiter_api import find_function
 
 try:  # triton is a dependency of the package; the head mask falls back to torch ops without it
     import triton
@@ -53,27 +54,14 @@ KERNEL_NAME = "_fp8_mqa_logits_kernel"
 RaggedFn = Callable[..., torch.Tensor]
 
 
-def _find(modules: tuple[str, ...], name: str) -> tuple[str, Any] | None:
-    """The first ``module.name`` that imports, as (dotted path, object); None when none does."""
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        obj = getattr(module, name, None)
-        if obj is not None:
-            return f"{module_name}.{name}", obj
-    return None
-
-
 def find_wrapper() -> tuple[str, RaggedFn] | None:
     """aiter's public ragged logits function (imports aiter)."""
-    return _find(WRAPPER_MODULES, WRAPPER_NAME)
+    return find_function(WRAPPER_MODULES, WRAPPER_NAME)
 
 
 def find_kernel() -> tuple[str, Any] | None:
     """aiter's Triton kernel behind the public function (imports aiter's kernel module only)."""
-    return _find(KERNEL_MODULES, KERNEL_NAME)
+    return find_function(KERNEL_MODULES, KERNEL_NAME)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,31 +20,19 @@ device's multiprocessor count, which also runs on NVIDIA: the H200 test, behind 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 import torch
 
 from ...contract.cache import PAGE_SIZE
+from .aiter_api import find_function
 
 WRAPPER_MODULES = ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
 WRAPPER_NAME = "deepgemm_fp8_paged_mqa_logits"
 KERNEL_MODULES = ("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits",)
 KERNEL_NAME = "_deepgemm_fp8_paged_mqa_logits"
 CHUNK_K = 256  # keys per inner step (aiter's default); a multiple of the 64-token page
-
-
-def _find(modules: tuple[str, ...], name: str) -> tuple[str, Any] | None:
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        fn = getattr(module, name, None)
-        if fn is not None:
-            return f"{module_name}.{name}", fn
-    return None
 
 
 def _takes_block_size(fn: Any) -> bool:
@@ -59,12 +47,12 @@ def _takes_block_size(fn: Any) -> bool:
 
 
 def find_wrapper() -> tuple[str, Callable] | None:
-    found = _find(WRAPPER_MODULES, WRAPPER_NAME)
+    found = find_function(WRAPPER_MODULES, WRAPPER_NAME)
     return found if found is not None and _takes_block_size(found[1]) else None
 
 
 def find_kernel() -> tuple[str, Any] | None:
-    found = _find(KERNEL_MODULES, KERNEL_NAME)
+    found = find_function(KERNEL_MODULES, KERNEL_NAME)
     return found if found is not None and _takes_block_size(found[1]) else None
 
 

@@ -28,6 +28,7 @@ import torch
 
 from ...contract import validate as v
 from ...contract.quant import PRODUCER_UNROUNDED, Fp8GroupLayout, QuantizedActivation
+from .aiter_api import find_function
 
 GROUP_SIZE = 128
 FUSED_QUANT_MODULES = ("aiter.ops.triton.fused_fp8_quant", "aiter.ops.triton.quant.fused_fp8_quant")
@@ -36,15 +37,7 @@ FUSED_QUANT_NAME = "fused_rms_fp8_group_quant"
 
 def find_fused_rms_quant() -> tuple[str, Callable] | None:
     """aiter's ``fused_rms_fp8_group_quant`` (imports aiter)."""
-    for module_name in FUSED_QUANT_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        fn = getattr(module, FUSED_QUANT_NAME, None)
-        if callable(fn):
-            return f"{module_name}.{FUSED_QUANT_NAME}", fn
-    return None
+    return find_function(FUSED_QUANT_MODULES, FUSED_QUANT_NAME, callable_only=True)
 
 
 def aiter_fused_rms_fp8_group_quant(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,

@@ -24,11 +24,12 @@ CPU tests check the argument handling against a fake built on the reference.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
 import torch
+
+from .aiter_api import find_function
 
 TOPK = 2048  # the kernels' compile-time k
 DECODE_MODULES = ("aiter.ops.topk", "aiter")
@@ -37,15 +38,7 @@ DECODE_NAME = "top_k_per_row_decode"
 
 def find_decode() -> tuple[str, Callable] | None:
     """aiter's ``top_k_per_row_decode`` (imports aiter)."""
-    for module_name in DECODE_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        fn = getattr(module, DECODE_NAME, None)
-        if callable(fn):
-            return f"{module_name}.{DECODE_NAME}", fn
-    return None
+    return find_function(DECODE_MODULES, DECODE_NAME, callable_only=True)
 
 
 def takes_stable(fn: Callable) -> bool:
