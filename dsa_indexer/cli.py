@@ -225,6 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `dsa-indexer info | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"dsa-indexer {args.command}: error: {exc}", file=sys.stderr)
         return 2
