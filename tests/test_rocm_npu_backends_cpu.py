@@ -269,7 +269,24 @@ def test_npu_resolves_every_op_to_the_reference_with_reasons(registry, torch_npu
         for cand in res.candidates:
             if cand.impl.vendor in ("triton", "rocm", "cuda"):
                 assert cand.reason.startswith("serves ") and cand.reason.endswith("not npu")
-        assert not res.is_fallback  # nothing faster serves npu: no fallback warning
+        # Nothing accelerated serves npu: that is a fallback (the warning and strict mode say so), naming why.
+        assert res.is_fallback == (res.chosen.vendor == "reference"), op
+        if res.is_fallback:
+            assert res.fallback_reasons() == "no accelerated implementation serves target npu"
+
+
+def test_strict_mode_raises_on_npu_naming_what_is_missing(monkeypatch):
+    from dsa_indexer.dispatch.registry import NoImplementationError
+
+    monkeypatch.setenv("DSA_INDEXER_STRICT", "1")
+    reg = Registry(environment=Environment.simulated(gpu=True, triton=True, torch_npu=False))
+    load_plugins(reg, entry_points=False)
+    with pytest.raises(NoImplementationError, match="strict mode.*no accelerated implementation serves target npu"):
+        reg.choose("topk_indices", NPU, Problem(k=2048))
+    monkeypatch.delenv("DSA_INDEXER_STRICT")
+    reg.clear_cache()
+    with pytest.warns(RuntimeWarning, match="topk_indices on npu falls back to the slow reference"):
+        reg.choose("topk_indices", NPU, Problem(k=2048))
 
 
 # --- probes --------------------------------------------------------------------------------------------------------

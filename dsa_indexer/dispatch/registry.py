@@ -86,10 +86,15 @@ class Resolution:
 
     @property
     def is_fallback(self) -> bool:
-        """The reference ran on a GPU target although a faster implementation serves it."""
-        if self.chosen is None or self.chosen.vendor != REFERENCE_VENDOR or not self.target.is_gpu:
-            return False
-        return any(c.impl.serves(self.target) and c.impl.vendor != REFERENCE_VENDOR for c in self.candidates)
+        """The pure-torch reference runs on an accelerator target: whether faster implementations serve the target
+        but cannot run here, or none serves it at all (both are the slow path a user should hear about)."""
+        return self.chosen is not None and self.chosen.vendor == REFERENCE_VENDOR and self.target.is_gpu
+
+    def fallback_reasons(self) -> str:
+        """Why no accelerated implementation runs: each rejected candidate's reason, or that none serves."""
+        rejected = "; ".join(f"{c.impl.impl_id}: {c.reason}" for c in self.candidates
+                             if c.impl.serves(self.target) and not c.accepted)
+        return rejected or f"no accelerated implementation serves target {self.target}"
 
     def explain(self) -> str:
         lines = [f"op {self.op} on target {self.target} ({self.target.vendor}), problem {self.problem}",
@@ -312,14 +317,13 @@ class Registry:
         if res.is_fallback and not res.forced:
             if self._strict():
                 raise NoImplementationError(res, f"strict mode ({STRICT_ENV}=1): refusing the reference fallback "
-                                                 f"for {op!r} on GPU target {target}")
+                                                 f"for {op!r} on accelerator target {target} "
+                                                 f"({res.fallback_reasons()})")
             warn_key = (op, target)
             if warn_key not in self._warned:
                 self._warned.add(warn_key)
-                rejected = "; ".join(f"{c.impl.impl_id}: {c.reason}" for c in res.candidates
-                                     if c.impl.serves(target) and not c.accepted)
-                warnings.warn(f"dsa_indexer: {op} on {target} falls back to the slow reference ({rejected})",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(f"dsa_indexer: {op} on {target} falls back to the slow reference "
+                              f"({res.fallback_reasons()})", RuntimeWarning, stacklevel=3)
         return res
 
     def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
