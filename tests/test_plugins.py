@@ -92,7 +92,42 @@ def test_allow_list_and_autoload_switch(monkeypatch):
     monkeypatch.setenv("DSA_INDEXER_PLUGINS", "someone_else")
     reg = Registry(environment=Environment.simulated())
     load_plugins(reg)
-    assert reg.plugins_failed == []
+    # The allow-list skips "missing" (so its import error never happens) and says that "someone_else" is not there.
+    (failure,) = reg.plugins_failed
+    assert failure.startswith("someone_else: named in DSA_INDEXER_PLUGINS but no such entry point is installed")
+
+
+def test_a_plugin_raising_systemexit_at_import_is_contained(monkeypatch):
+    _fake_entry_points(monkeypatch, [("exits", "dsa_test_exits_at_import")])
+
+    def load(self):  # what importing such a module does
+        raise SystemExit("rocminfo not found")
+
+    monkeypatch.setattr(metadata.EntryPoint, "load", load)
+    reg = Registry(environment=Environment.simulated())
+    load_plugins(reg)
+    assert any(f.startswith("exits (dsa_test_exits_at_import): import failed: SystemExit: rocminfo not found")
+               for f in reg.plugins_failed), reg.plugins_failed
+    assert "reference" in reg.plugins_loaded
+
+
+def test_a_failing_factory_is_rejected_with_its_reason_and_resolution_falls_back():
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg, entry_points=False)
+
+    def factory():
+        import dsa_test_vendor_library_that_is_not_installed  # noqa: F401
+
+    reg.implementation("topk_indices", impl_id="topk_indices.brokenvendor.kernel", targets=("cpu",), priority=150,
+                       description="a plugin whose vendor import is missing")(factory)
+    with pytest.warns(RuntimeWarning, match="topk_indices.brokenvendor.kernel could not be built, falling back"):
+        fn = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    logits = torch.randn(2, 10)
+    assert fn(logits, 4, torch.tensor([10, 3])).shape == (2, 4)
+    res = reg.resolve("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    assert res.chosen.impl_id == "topk_indices.reference.torch"
+    assert "factory failed: ModuleNotFoundError" in next(
+        c for c in res.candidates if c.impl.impl_id == "topk_indices.brokenvendor.kernel").reason
 
 
 def test_a_new_vendor_is_one_folder_a_platform_and_a_backend(monkeypatch):

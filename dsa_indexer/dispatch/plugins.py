@@ -45,13 +45,20 @@ class BackendSpec:
         """Register this backend's implementations with ``registry.register`` / ``registry.implementation``."""
 
 
+def _contained(exc: BaseException) -> bool:
+    """A plugin may raise anything, even SystemExit from an import: contain all but a user's Ctrl-C."""
+    return not isinstance(exc, KeyboardInterrupt)
+
+
 def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, plugin: Any) -> None:
     before = registry.snapshot_ids()
     try:
         manager.register(plugin, name=name)
         others = [p for p in manager.get_plugins() if p is not plugin]
         manager.subset_hook_caller("dsa_indexer_register", remove_plugins=others)(registry=registry)
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001
+        if not _contained(exc):
+            raise
         for impl_id in registry.snapshot_ids() - before:
             registry.unregister(impl_id)
         if manager.is_registered(plugin):
@@ -71,7 +78,9 @@ def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
     for module_name in builtins:
         try:
             module = importlib.import_module(module_name)
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001
+            if not _contained(exc):
+                raise
             registry.plugins_failed.append(f"{module_name}: import failed: {type(exc).__name__}: {exc}")
             continue
         _register_one(registry, manager, module_name.rsplit(".", 1)[-1], module)
@@ -80,17 +89,24 @@ def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
     if not entry_points:
         return manager
     allowed = {n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
+    seen: set[str] = set()
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        seen.add(entry.name)
         if entry.value in builtin_backends():
             continue  # a built-in, loaded above
         if allowed and entry.name not in allowed:
             continue
         try:
             plugin = entry.load()
-        except Exception as exc:
+        except BaseException as exc:  # noqa: BLE001
+            if not _contained(exc):
+                raise
             registry.plugins_failed.append(f"{entry.name} ({entry.value}): import failed: {type(exc).__name__}: {exc}")
             continue
         _register_one(registry, manager, entry.name, plugin)
+    for name in sorted(allowed - seen):
+        registry.plugins_failed.append(f"{name}: named in {ALLOW_ENV} but no such entry point is installed "
+                                       f"(group {ENTRY_POINT_GROUP}; installed: {', '.join(sorted(seen)) or '-'})")
     return manager
 
 

@@ -157,6 +157,7 @@ class Registry:
         self._fn_cache: dict[tuple, Callable[..., Any]] = {}
         self._resolution_cache: dict[tuple, Resolution] = {}
         self._factories: dict[str, Callable[..., Any]] = {}
+        self._broken: dict[str, str] = {}  # impl_id -> why its factory failed (it is then rejected)
         self._warned: set[tuple] = set()
         self._overrides = _Overrides()
         self.environment = environment or Environment()
@@ -252,6 +253,7 @@ class Registry:
         """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment."""
         reload_environment()
         with self._lock:
+            self._broken.clear()
             self._invalidate()
 
     # --- resolution ---------------------------------------------------------------------------
@@ -274,6 +276,8 @@ class Registry:
                                                  f"registered: {', '.join(i.impl_id for i in impls)}")
             for impl in impls:
                 reason = self._verdict(impl, target, problem, env, forced)
+                if reason is None and impl.impl_id in self._broken:
+                    reason = self._broken[impl.impl_id]
                 accepted = reason is None
                 if accepted and chosen is None:
                     chosen = impl
@@ -327,12 +331,22 @@ class Registry:
         return res
 
     def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
-        """The callable that runs ``op`` for (target, problem); cached."""
+        """The callable that runs ``op`` for (target, problem); cached. A factory that fails (its vendor import is
+        missing, say) marks that implementation rejected with the reason, warns once, and resolution moves on."""
         key = (op, target, problem)
         fn = self._fn_cache.get(key)
-        if fn is None:
+        while fn is None:
             res = self.choose(op, target, problem)
-            fn = self._factory_result(res.chosen)
+            try:
+                fn = self._factory_result(res.chosen)
+            except Exception as exc:  # noqa: BLE001 - a broken implementation must not take the caller down
+                reason = f"factory failed: {type(exc).__name__}: {exc}"
+                with self._lock:
+                    self._broken[res.chosen.impl_id] = reason
+                    self._invalidate()
+                warnings.warn(f"dsa_indexer: {res.chosen.impl_id} could not be built, falling back ({reason})",
+                              RuntimeWarning, stacklevel=2)
+                continue
             self.used[key] = res
             self._fn_cache[key] = fn
         return fn
