@@ -50,7 +50,10 @@ def _parse_facts(items: Sequence[str]) -> dict:
         if not sep:
             raise SystemExit(f"--problem entries must read key=value, got {item!r}")
         low = value.lower()
-        facts[key] = True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() else value
+        parsed = True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() else value
+        if key in INT_FACTS and not isinstance(parsed, int):
+            raise SystemExit(f"--problem {key} must be an integer, got {value!r}")
+        facts[key] = parsed
     return facts
 
 
@@ -86,6 +89,8 @@ def cmd_info(args) -> int:
     print("not installed: " + ", ".join(k for k, v in _versions().items() if not v))
     print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
     print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
+    forced = registry.forced()
+    print(f"forced: {', '.join(f'{op}={impl}' for op, impl in sorted(forced.items())) or '-'}")
     print(f"\nresolution on {target}:")
     for op in registry.ops():
         res = registry.resolve(op, target, _problem_for(op, target, {}))
@@ -161,6 +166,7 @@ def cmd_run(args) -> int:
 
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR, EXIT_USAGE = 0, 1, 2, 2  # argparse's usage errors exit 2 too
+INT_FACTS = {"heads", "dim", "next_n", "k", "group_size", "width", "rope_dim", "n", "window", "tokens"}
 
 
 def _positive_int(text: str) -> int:

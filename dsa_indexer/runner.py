@@ -84,9 +84,22 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return agree / max(1, total)
 
 
+def _device(name: str | None) -> torch.device:
+    if not name:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else "built with GPU support"
+        raise ValueError(f"--device {name}: this torch ({torch.__version__}, {build}) sees no CUDA/ROCm GPU; "
+                         "run without --device to use the CPU")
+    return device
+
+
 def run_main_job(settings: RunSettings, progress=None) -> dict:
-    device = torch.device(settings.device) if settings.device else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    device = _device(settings.device)
     on_gpu = device.type != "cpu"
     batch = settings.batch or (32 if on_gpu else 4)
     base = MODELS[settings.model]()
@@ -98,8 +111,15 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     max_len = context + steps * next_n + prefill_new + 1
+    if max_len > base.max_position:
+        print(f"note: {max_len} positions exceed {base.name}'s max_position {base.max_position}; the RoPE table is "
+              "extended for this synthetic run (a real model is not trained past it)")
     cfg = dataclasses.replace(base, max_position=max(base.max_position if on_gpu else 0, max_len))
     target = detect_target(device, settings.target)
+    decode_keys = (context + steps * next_n) // ratio
+    if decode_keys <= base.topk:
+        print(f"note: decode rows see at most {decode_keys} <= top-{base.topk} keys, so the decode steps run no logits "
+              f"or top-k (the answer is every visible key); use --context > {base.topk * ratio} to exercise scoring")
     print(f"dsa-indexer run: {cfg.name} on {device} (target {target}), batch {batch} x context {context}, "
           f"next_n {next_n}, {steps} decode steps, prefill {prefill_new} new tokens after a {context}-token prefix"
           + (f"; C4 keys: one per {ratio} tokens, top-{cfg.topk}" if ratio > 1 else ""))

@@ -94,3 +94,48 @@ def test_explain_rejects_an_unknown_assumed_fact(capsys):
 def test_a_simulated_arch_no_platform_lists_warns(arch, capsys):
     with pytest.warns(RuntimeWarning, match=f"--target names {arch}, which the .* platform does not list"):
         assert main(["explain", "topk_indices", "--target", arch]) == 0
+
+
+def test_explain_rejects_a_non_integer_problem_fact():
+    with pytest.raises(SystemExit, match="--problem heads must be an integer, got 'abc'"):
+        main(["explain", "paged_mqa_logits", "--problem", "heads=abc"])
+
+
+def test_a_misspelled_forced_op_warns_and_info_shows_what_is_forced(monkeypatch, capsys):
+    from dsa_indexer.dispatch.plugins import default_registry
+
+    monkeypatch.setenv("DSA_INDEXER_FORCE", "topk_indicse=topk_indices.reference.torch")
+    default_registry().clear_cache()
+    try:
+        with pytest.warns(RuntimeWarning, match="DSA_INDEXER_FORCE names unknown op.*topk_indicse"):
+            assert main(["info"]) == 0
+        assert "forced: topk_indicse=topk_indices.reference.torch" in capsys.readouterr().out
+    finally:
+        monkeypatch.delenv("DSA_INDEXER_FORCE")
+        default_registry().clear_cache()
+
+
+def test_the_strict_hint_appears_only_when_strict_mode_refused():
+    from dsa_indexer.dispatch import Environment, Problem, Registry, load_plugins, parse_target
+    from dsa_indexer.dispatch.registry import NoImplementationError
+
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg, entry_points=False)
+    reg.force("topk_indices", "topk_indices.triton.topk")  # cannot run: no triton in this environment
+    with pytest.raises(NoImplementationError, match="cannot run here") as exc:
+        reg.choose("topk_indices", parse_target("sm90"), Problem())
+    assert "unsetting DSA_INDEXER_STRICT" not in str(exc.value)
+
+
+def test_run_on_a_missing_gpu_says_so(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["run", "--device", "cuda"]) == 2
+    assert "sees no CUDA/ROCm GPU; run without --device" in capsys.readouterr().err
+
+
+def test_run_says_when_decode_rows_need_no_scoring(capsys):
+    assert main(["run", "--batch", "2", "--context", "1000", "--steps", "1", "--prefill-tokens", "64"]) == 0
+    assert "the decode steps run no logits or top-k" in capsys.readouterr().out

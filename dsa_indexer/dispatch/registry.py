@@ -120,12 +120,11 @@ class NoImplementationError(RuntimeError):
 
     def __init__(self, resolution: Resolution, why: str) -> None:
         self.resolution = resolution
-        super().__init__(
-            f"{why}\n{resolution.explain()}\n"
-            f"Override with {FORCE_ENV}='{resolution.op}=<impl_id>' or Registry.force(); "
-            f"simulate another target with DSA_INDEXER_TARGET=<arch>; "
-            f"allow the reference fallback by unsetting {STRICT_ENV}."
-        )
+        hints = [f"Override with {FORCE_ENV}='{resolution.op}=<impl_id>' or Registry.force()",
+                 "simulate another target with DSA_INDEXER_TARGET=<arch>"]
+        if why.startswith("strict mode"):  # the strict hint only where strict mode refused
+            hints.append(f"allow the reference fallback by unsetting {STRICT_ENV}")
+        super().__init__(f"{why}\n{resolution.explain()}\n" + "; ".join(hints) + ".")
 
 
 def parse_force(text: str | None) -> dict[str, str]:
@@ -238,7 +237,17 @@ class Registry:
     def _forced_for(self, op: str) -> str | None:
         if op in self._overrides.forced:
             return self._overrides.forced[op]
-        return parse_force(os.environ.get(FORCE_ENV)).get(op)
+        forced = parse_force(os.environ.get(FORCE_ENV))
+        unknown = sorted(set(forced) - set(self.ops()))
+        if unknown and ("force", tuple(unknown)) not in self._warned:
+            self._warned.add(("force", tuple(unknown)))
+            warnings.warn(f"dsa_indexer: {FORCE_ENV} names unknown op(s) {', '.join(unknown)}; ops: "
+                          f"{', '.join(self.ops())}", RuntimeWarning, stacklevel=3)
+        return forced.get(op)
+
+    def forced(self) -> dict[str, str]:
+        """Every forced op -> implementation: Registry.force, then DSA_INDEXER_FORCE (what `dsa-indexer info` shows)."""
+        return {**parse_force(os.environ.get(FORCE_ENV)), **self._overrides.forced}
 
     def _strict(self) -> bool:
         if self._overrides.strict is not None:
