@@ -35,8 +35,9 @@ def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor
     return t.long()
 
 
-def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> None:
-    """``needed_pages[b]`` pages of row b must exist in the table and point inside the cache."""
+def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> int:
+    """``needed_pages[b]`` pages of row b must exist in the table and point inside the cache; returns the largest
+    page id in use (-1: none), which `Indexer.forward` checks against the cache it is given."""
     if block_table.dim() != 2 or block_table.shape[0] != needed_pages.shape[0]:
         raise IndexerInputError(f"block_table must be [num_requests={needed_pages.shape[0]}, max_pages], got shape "
                                 f"{list(block_table.shape)}")
@@ -51,7 +52,10 @@ def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, nu
         low, high = int(entries.min()), int(entries.max())
         if low < 0 or (num_pages is not None and high >= num_pages):
             limit = f"[0, {num_pages})" if num_pages is not None else ">= 0"
-            raise IndexerInputError(f"block_table entries in use must be cache pages in {limit}, got range [{low}, {high}]")
+            raise IndexerInputError(f"block_table entries in use must be cache pages in {limit}, got range [{low}, "
+                                    f"{high}]")
+        return high
+    return -1
 
 
 def _slots(block_table: torch.Tensor, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -97,6 +101,7 @@ class DecodeBatch:
     compress_rows: torch.Tensor | None = None  # [E] int64 rows that complete a compressed entry (C4)
     state_slot: torch.Tensor | None = None  # [B * next_n] int64 CompressorState slot of each row (-1: padding)
     max_state_slot: int = -1  # host copy of state_slot.max(), checked against the state without a device sync
+    max_page: int = -1  # the largest cache page the block table uses (host int; -1: unknown or none)
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +133,7 @@ class DecodeBatch:
         positions = seq[:, None] - next_n + torch.arange(next_n)[None, :]  # [B, next_n]
         keys = (positions + 1) // compress_ratio  # keys visible to each row
         needed = (keys.max(dim=1).values + PAGE_SIZE - 1) // PAGE_SIZE
-        _check_block_table(table, needed, num_cache_pages)
+        max_page = _check_block_table(table, needed, num_cache_pages)
         longest = int(keys.max())
         width = max(PAGE_SIZE, -(-longest // PAGE_SIZE) * PAGE_SIZE) if max_context_len is None else max_context_len
         if width < longest:
@@ -144,7 +149,7 @@ class DecodeBatch:
         return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
                    positions.reshape(-1).to(device), slots.reshape(-1).to(device),
                    request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio,
-                   compress_rows.to(device), state.reshape(-1).to(device), int(state.max()))
+                   compress_rows.to(device), state.reshape(-1).to(device), int(state.max()), max_page)
 
 
 @dataclass
@@ -167,6 +172,7 @@ class PrefillBatch:
     compress_rows: torch.Tensor | None = None  # [E] int64 rows that complete a compressed entry (C4)
     state_slot: torch.Tensor | None = None  # [T] int64 CompressorState slot of each row
     max_state_slot: int = -1  # host copy of state_slot.max()
+    max_page: int = -1  # the largest cache page the block table uses (host int)
 
     @property
     def num_tokens(self) -> int:
@@ -189,7 +195,7 @@ class PrefillBatch:
             raise IndexerInputError("prefix_lens must be >= 0 and extend_lens >= 1 for every request")
         total = prefix + extend
         keys_total = total // compress_ratio
-        _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        max_page = _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
         ks, ke, pos, req, gather = [], [], [], [], []
         offset = 0
         for b in range(prefix.shape[0]):
@@ -209,4 +215,4 @@ class PrefillBatch:
         return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
-                   compress_rows.to(device), state.to(device), int(state.max()))
+                   compress_rows.to(device), state.to(device), int(state.max()), max_page)

@@ -28,7 +28,7 @@ from .dispatch.target import Target, detect_target
 from .pipeline import PIPELINE_OP, STEPS, k_path
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
-from .contract.validate import IndexerInputError, tensor as check_tensor
+from .contract.validate import IndexerInputError, ranges_checked as check_values, tensor as check_tensor
 
 log = logging.getLogger("dsa_indexer")
 
@@ -356,6 +356,14 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
         if cache.device != x.device:
             raise IndexerInputError(f"cache is on {cache.device} but x is on {x.device}")
+        if batch.max_page >= cache.num_pages:
+            raise IndexerInputError(f"batch's block_table uses cache page {batch.max_page} but the cache has "
+                                    f"{cache.num_pages} pages: build the batch with num_cache_pages=cache.num_pages")
+        if check_values(x):
+            for name, value in (("x", x), ("q_lora", q_lora)):
+                if not bool(torch.isfinite(value).all()):
+                    raise IndexerInputError(f"{name} holds NaN or inf values (the top-k of such rows is meaningless "
+                                            "and their keys would be stored)")
         if cache.fp8_dtype != self.fp8_dtype:
             raise IndexerInputError(f"cache holds {cache.fp8_dtype} keys but this target's indexer writes "
                                     f"{self.fp8_dtype}: never mix e4m3fn and e4m3fnuz")
@@ -469,6 +477,17 @@ class Indexer(nn.Module):
 
     def to_physical_slots(self, indices: torch.Tensor, batch: DecodeBatch | PrefillBatch) -> torch.Tensor:
         """Request-local positions -> cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays -1."""
+        if not isinstance(batch, (DecodeBatch, PrefillBatch)):
+            raise IndexerInputError(f"batch must be a DecodeBatch or PrefillBatch, got {type(batch).__name__}")
+        check_tensor("indices", indices, dtype=(torch.int32, torch.int64), ndim=2, device=batch.block_table.device)
+        if indices.shape[0] != batch.num_tokens:
+            raise IndexerInputError(f"indices must have one row per token of the batch ({batch.num_tokens}), got "
+                                    f"{list(indices.shape)}")
+        if check_values(indices) and indices.numel():
+            limit = batch.block_table.shape[1] * 64
+            if int(indices.max()) >= limit or int(indices.min()) < -1:
+                raise IndexerInputError(f"indices must lie in [-1, {limit}) (the block table's positions), got range "
+                                        f"[{int(indices.min())}, {int(indices.max())}]")
         return indices_to_slots(indices, batch.block_table, batch.row_request)
 
     def extra_repr(self) -> str:

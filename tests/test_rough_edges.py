@@ -1,0 +1,43 @@
+"""Rough edges a new user hit (issue 12), each with the clear error that replaces the surprise."""
+
+import pytest
+import torch
+
+from dsa_indexer import DecodeBatch, IndexerConfig, IndexerInputError, IndexKCache, Indexer
+
+CFG = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=8, max_position=2048)
+
+
+def _step(rows=2):
+    indexer = Indexer(CFG).init_random(0)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    return indexer, x, torch.randn(rows, 256).to(torch.bfloat16)
+
+
+def test_a_block_table_past_the_cache_is_refused_even_without_num_cache_pages():
+    indexer, x, q_lora = _step()
+    batch = DecodeBatch.build([100, 30], [[0, 5], [2, 3]])  # page 5 does not exist in a 4-page cache
+    with pytest.raises(IndexerInputError, match="uses cache page 5 but the cache has 4 pages"):
+        indexer(x, q_lora, batch.positions, batch, IndexKCache.allocate(4))
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_nan_or_inf_inputs_raise_naming_the_argument(bad):
+    indexer, x, q_lora = _step()
+    q_lora[1, 7] = float(bad)
+    batch = DecodeBatch.build([100, 30], [[0, 1], [2, 3]])
+    with pytest.raises(IndexerInputError, match="q_lora holds NaN or inf"):
+        indexer(x, q_lora, batch.positions, batch, IndexKCache.allocate(4))
+
+
+def test_to_physical_slots_checks_its_arguments():
+    indexer, _, _ = _step()
+    batch = DecodeBatch.build([100, 30], [[0, 1], [2, 3]])
+    with pytest.raises(IndexerInputError, match="one row per token of the batch \\(2\\)"):
+        indexer.to_physical_slots(torch.zeros(3, 8, dtype=torch.int32), batch)
+    with pytest.raises(IndexerInputError, match="indices must have dtype int32 or int64"):
+        indexer.to_physical_slots(torch.zeros(2, 8), batch)
+    with pytest.raises(IndexerInputError, match="indices must lie in \\[-1, 128\\)"):
+        indexer.to_physical_slots(torch.full((2, 8), 500, dtype=torch.int32), batch)
+    with pytest.raises(IndexerInputError, match="batch must be a DecodeBatch"):
+        indexer.to_physical_slots(torch.zeros(2, 8, dtype=torch.int32), object())
