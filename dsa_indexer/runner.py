@@ -144,9 +144,13 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     seq_lens = [context - next_n] * batch
 
     def fill_all():
-        for b, length in enumerate(seq_lens + [context]):
+        lengths = seq_lens + [context]
+        fill_bar = progress(len(lengths), "fill context keys") if progress else None
+        for b, length in enumerate(lengths):
             _fill_context(indexer, cache, block_table, b, torch.randn(length, cfg.hidden_size, generator=gen
                                                                       ).to(torch.bfloat16), state)
+            if fill_bar:
+                fill_bar.update(b + 1)
 
     clock.time("fill context keys", fill_all)
     bar = progress(steps, "decode steps") if progress else None
@@ -167,6 +171,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     pb = PrefillBatch.build([context], [prefill_new], block_table[batch:], num_cache_pages=num_pages, device=device,
                             compress_ratio=ratio, state_slots=[batch])
     cache_before_prefill = cache.data.clone() if settings.verify else None
+    print(f"prefill: {prefill_new} new tokens after a {context}-token prefix ...", flush=True)
     prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache, q_lora_quant=qp_quant,
                                                         compressor_state=state))
 
@@ -189,8 +194,13 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     for name, entry in report["timings_ms"].items():
         print(f"  {name:<22} {entry['median']:10.3f}  (n={entry['count']})")
     if settings.verify:
+        print("\nverifying against the reference backend (the last decode step and the prefill, every op forced to "
+              "pure torch) ...", flush=True)
+        started = time.perf_counter()
         report["verified"] = _verify(indexer, cache, cache_before_prefill, state_before_step, decode_inputs,
                                      decode_out, (xp, qp, qp_quant, pb), prefill_out, report)
+        report["verification"]["seconds"] = time.perf_counter() - started
+        print(f"verification took {report['verification']['seconds']:.1f} s")
     return report
 
 

@@ -139,3 +139,10 @@ def test_run_on_a_missing_gpu_says_so(capsys):
 def test_run_says_when_decode_rows_need_no_scoring(capsys):
     assert main(["run", "--batch", "2", "--context", "1000", "--steps", "1", "--prefill-tokens", "64"]) == 0
     assert "the decode steps run no logits or top-k" in capsys.readouterr().out
+
+
+def test_run_shows_progress_of_the_long_phases(capsys):
+    assert main(["run", "--batch", "2", "--context", "300", "--steps", "1", "--prefill-tokens", "64"]) == 0
+    captured = capsys.readouterr()
+    assert "fill context keys: 3/3" in captured.err and "prefill: 64 new tokens" in captured.out
+    assert "verification took" in captured.out
