@@ -37,3 +37,14 @@ def test_every_python_block_of_the_readme_and_docs_runs():
             exec(compile(code, f"{path.name} block {i + 1}", "exec"), {"__name__": f"doc_block_{i}"})
             ran += 1
     assert ran >= 3  # README's example and plugin, docs/v4.md's example
+
+
+def test_the_troubleshooting_explain_example_is_what_explain_prints(capsys):
+    """docs/troubleshooting.md quotes `dsa-indexer explain` verbatim: the command must still print exactly that."""
+    from dsa_indexer.cli import main
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    block = text.split("```\n$ ", 1)[1].split("```", 1)[0].strip().splitlines()
+    command, expected = block[0].split(), block[1:]
+    assert command[0] == "dsa-indexer" and main(command[1:]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[:len(expected)] == expected
