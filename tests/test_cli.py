@@ -146,3 +146,37 @@ def test_run_shows_progress_of_the_long_phases(capsys):
     captured = capsys.readouterr()
     assert "fill context keys: 3/3" in captured.err and "prefill: 64 new tokens" in captured.out
     assert "verification took" in captured.out
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3.2", "deepseek-v4-flash"])
+def test_run_checks_against_an_independent_float64_oracle(model, tmp_path):
+    report = tmp_path / "r.json"
+    assert main(["run", "--model", model, "--batch", "2", "--context", "3000", "--steps", "1", "--prefill-tokens",
+                 "64", "--json", str(report)]) == 0
+    verification = json.loads(report.read_text())["verification"]
+    assert verification["float64_oracle_rows"] == 2 and verification["float64_oracle_topk_agreement"] >= 0.95
+
+
+def test_the_float64_oracle_check_fails_on_wrong_indices():
+    """The oracle must be able to fail: the right step's inputs with another step's top-k agree far less."""
+    import torch
+
+    from dsa_indexer import DecodeBatch, IndexerConfig, IndexKCache, Indexer, PrefillBatch, ops
+    from dsa_indexer.runner import _float64_oracle_agreement
+
+    cfg = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=4096)
+    indexer = Indexer(cfg).init_random(1)
+    cache = IndexKCache.allocate(8)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    gen = torch.Generator().manual_seed(2)
+    for b in range(2):
+        pb = PrefillBatch.build([0], [200], table[b:b + 1])
+        indexer.store_keys(torch.randn(200, 256, generator=gen).to(torch.bfloat16), pb, cache)
+    db = DecodeBatch.build([201, 201], table)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    q_lora, quant = ops.rmsnorm_quant_fp8(torch.randn(2, 256, generator=gen).to(torch.bfloat16),
+                                          torch.ones(256, dtype=torch.bfloat16))
+    out = indexer(x, q_lora, db.positions, db, cache, q_lora_quant=quant)
+    good, rows = _float64_oracle_agreement(indexer, cache, (x, q_lora, quant, db), out)
+    bad, _ = _float64_oracle_agreement(indexer, cache, (x, q_lora, quant, db), out.flip(0))  # rows swapped
+    assert rows == 2 and good >= 0.95 and bad < 0.5, (good, bad)
