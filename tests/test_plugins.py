@@ -161,3 +161,21 @@ def test_a_new_vendor_is_one_folder_a_platform_and_a_backend(monkeypatch):
     with pytest.raises(ValueError, match="unknown target"):
         parse_target("acme1")
     assert dsa_indexer_acme.ARCH == "acme1"
+
+
+def test_a_plugin_registering_an_unknown_op_is_reported_not_loaded(monkeypatch):
+    plugin = types.ModuleType("dsa_test_typo_plugin")
+
+    @hookimpl
+    def dsa_indexer_register(registry):
+        registry.implementation("topk_indicse", impl_id="topk_indicse.typo.kernel", targets=("*",), priority=5
+                                )(lambda: None)
+
+    plugin.dsa_indexer_register = dsa_indexer_register
+    monkeypatch.setitem(sys.modules, "dsa_test_typo_plugin", plugin)
+    _fake_entry_points(monkeypatch, [("typo", "dsa_test_typo_plugin")])
+    reg = Registry(environment=Environment.simulated())
+    load_plugins(reg)
+    assert "typo" not in reg.plugins_loaded
+    assert any(f.startswith("typo: registers unknown op(s) topk_indicse; known ops:") for f in reg.plugins_failed)
+    assert "topk_indicse.typo.kernel" not in reg.snapshot_ids()

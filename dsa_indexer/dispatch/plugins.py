@@ -33,6 +33,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 
+def known_ops() -> tuple[str, ...]:
+    """The ops a plugin may implement: those of the contract's specs, and the pipeline strategy."""
+    from ..contract.specs import PIPELINE_OP, PROBLEM_KEYS
+
+    return (*PROBLEM_KEYS, PIPELINE_OP)
+
+
 def builtin_backends() -> tuple[str, ...]:
     from .. import backends
 
@@ -65,7 +72,17 @@ def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, 
             manager.unregister(plugin)
         registry.plugins_failed.append(f"{name}: register failed: {type(exc).__name__}: {exc}")
         return
-    registry.adopt(registry.snapshot_ids() - before, origin=name)
+    added = registry.snapshot_ids() - before
+    unknown = sorted({impl_id.split(".", 1)[0] for impl_id in added} - set(known_ops()))
+    if unknown:  # a typo in an op name would otherwise "load" and never be used
+        for impl_id in added:
+            registry.unregister(impl_id)
+        if manager.is_registered(plugin):
+            manager.unregister(plugin)
+        registry.plugins_failed.append(f"{name}: registers unknown op(s) {', '.join(unknown)}; known ops: "
+                                       f"{', '.join(known_ops())}")
+        return
+    registry.adopt(added, origin=name)
     registry.plugins_loaded.append(name)
 
 
