@@ -21,6 +21,14 @@ from .contract.validate import IndexerInputError
 
 __version__ = "0.1.0"
 
+# Platforms are plain data (no vendor library is imported): load them now, so the first op call, which may be traced
+# by torch.compile, finds them loaded (and the CPU detected) instead of taking a lock.
+from .dispatch.platform import platforms as _platforms
+from .dispatch.target import warm_detection as _warm_detection
+
+_platforms()
+_warm_detection()
+
 
 def explain(op: str, target: str | Target | None = None, **problem) -> str:
     """The resolution trace of ``op`` on ``target`` (default: the detected one) for a problem class."""

@@ -10,7 +10,6 @@ Shapes: T tokens, H index heads, D = 128 head dim, B requests, N = next_n, K = q
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -64,9 +63,14 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-@functools.lru_cache(maxsize=64)
+_PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
+
+
 def _parsed(name: str) -> Target:
-    return parse_target(name)
+    target = _PARSED.get(name)
+    if target is None:
+        target = _PARSED[name] = parse_target(name)
+    return target
 
 
 def _target_name(target: Target | str | None) -> str | None:

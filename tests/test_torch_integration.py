@@ -79,3 +79,21 @@ def test_indexer_scoring_traces_under_torch_compile():
     compiled = torch.compile(score, backend="aot_eager", fullgraph=True)(q, kv, w, lens, table)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_a_compiled_call_traces_the_ops_without_lru_cache_or_lock_warnings():
+    """A fresh process whose first op call is traced by torch.compile: no functools.lru_cache warning from Dynamo
+    and no graph break on the platform table's lock (both seen before)."""
+    import subprocess
+    import sys
+
+    code = ("import warnings, torch\n"
+            "from dsa_indexer import ops\n"
+            "f = lambda x: ops.quant_fp8_groups(x, 128)\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    torch.compile(f, backend='aot_eager', fullgraph=True)(torch.randn(4, 256))\n"
+            "print('WARNINGS', [str(i.message) for i in w if 'lru_cache' in str(i.message)])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "WARNINGS []" in out.stdout

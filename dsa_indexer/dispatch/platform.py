@@ -75,6 +75,8 @@ def unregister_platform(vendor: str) -> None:
 def _load() -> None:
     """Import the built-in platform modules and the platform entry points, once. A failure is recorded, not fatal."""
     global _loaded
+    if _loaded:  # the hot path (and what torch.compile traces): no lock once loaded
+        return
     with _lock:
         if _loaded:
             return

@@ -8,7 +8,6 @@ tests can walk the whole arch matrix without the hardware. Resolve a target once
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -79,21 +78,31 @@ def _device_of(device: torch.device | str | int | None) -> torch.device:
     return torch.device(device)
 
 
-@functools.lru_cache(maxsize=64)
+_detected: dict[torch.device, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces this path
+
+
 def _detect_hardware(device: torch.device) -> Target:
-    if device.type == "meta":
-        device = torch.device("cpu")
+    target = _detected.get(device)
+    if target is not None:
+        return target
+    probe = torch.device("cpu") if device.type == "meta" else device
     for platform in platforms():
-        target = platform.detect(device)
+        target = platform.detect(probe)
         if target is not None:
+            _detected[device] = target
             return target
     raise ValueError(f"device type {device.type!r} is not served by any registered platform "
                      f"({', '.join(vendors())})")
 
 
+def warm_detection() -> None:
+    """Detect the host (and nothing that needs a driver) ahead of any traced call."""
+    _detect_hardware(torch.device("cpu"))
+
+
 def forget_detection() -> None:
     """Drop cached detections (a platform was registered or removed)."""
-    _detect_hardware.cache_clear()
+    _detected.clear()
 
 
 def detect_target(device: torch.device | str | int | None = None, override: str | Target | None = None) -> Target:
