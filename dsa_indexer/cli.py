@@ -189,6 +189,31 @@ def _writable_json_path(text: str) -> str:
     return text
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    device = torch.device(args.device) if args.device else None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch sees no CUDA/ROCm GPU")
+
+    def progress(items, label):
+        items = list(items)
+        bar = _Progress(len(items), f"bench {label}")
+        for i, item in enumerate(items):
+            yield item
+            bar.update(i + 1)
+
+    report = bench.run_bench(args.suite, device=device, repeats=args.repeats, progress=progress)
+    if args.json != "-":
+        print(bench.format_table(report))
+    if args.json:
+        bench.write_json(report, args.json)
+    if args.plots:
+        for path in bench.write_plots(report, args.plots):
+            print(f"plot: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsa-indexer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"dsa-indexer {__version__}")
@@ -224,6 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
                      "exist). Exit codes: 0 verified, 1 top-k mismatch against the reference, 2 usage or runtime "
                      "error")
     run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="every accepted implementation side by side, with measured ceilings")
+    bench.add_argument("--suite", nargs="+", default=["decode"], choices=("decode", "topk", "prefill", "ops"),
+                       help="decode (B x context), topk (with torch.topk), prefill (query x key lengths), ops (each "
+                            "at one size); default decode")
+    bench.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
+    bench.add_argument("--repeats", type=_positive_int, default=None, help="samples per median (25 GPU, 5 CPU)")
+    bench.add_argument("--json", type=lambda t: t if t == "-" else _writable_json_path(t),
+                       help="write the results as JSON to this file ('-': stdout, instead of the table)")
+    bench.add_argument("--plots", default=None, metavar="DIR", help="PNG plots into DIR (needs matplotlib: the "
+                       "'bench' extra)")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

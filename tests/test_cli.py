@@ -180,3 +180,35 @@ def test_the_float64_oracle_check_fails_on_wrong_indices():
     good, rows = _float64_oracle_agreement(indexer, cache, (x, q_lora, quant, db), out)
     bad, _ = _float64_oracle_agreement(indexer, cache, (x, q_lora, quant, db), out.flip(0))  # rows swapped
     assert rows == 2 and good >= 0.95 and bad < 0.5, (good, bad)
+
+
+def test_bench_runs_on_a_cpu_and_writes_json(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    assert main(["bench", "--suite", "ops", "--repeats", "2", "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "CPU numbers, not GPU numbers" in out and "torch.topk (baseline)" in out
+    data = json.loads(report.read_text())
+    assert data["command"].startswith("dsa-indexer") and data["ceilings"]["copy_GBps"] > 0
+    suites = {r["suite"] for r in data["rows"]}
+    assert suites == {"decode", "topk", "prefill"}
+    impls = {r["implementation"] for r in data["rows"]}
+    assert {"lightning_indexer.reference.torch", "lightning_indexer.generic.composed",
+            "ragged_mqa_logits.reference.torch", "torch.topk (baseline)"} <= impls
+    assert all(r["time_us"] > 0 and r["throughput"] > 0 for r in data["rows"])
+
+
+def test_bench_json_to_stdout_is_json_only(capsys):
+    assert main(["bench", "--suite", "topk", "--repeats", "1", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["suite"] for r in data["rows"]} == {"topk"}
+
+
+def test_bench_plots_need_matplotlib_or_say_so(tmp_path, capsys):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(["bench", "--suite", "topk", "--repeats", "1", "--plots", str(tmp_path)]) == 2
+        assert "pip install 'dsa-indexer[bench]'" in capsys.readouterr().err
+    else:
+        assert main(["bench", "--suite", "topk", "--repeats", "1", "--plots", str(tmp_path)]) == 0
+        assert (tmp_path / "bench_topk.png").exists()
