@@ -48,3 +48,14 @@ def test_the_troubleshooting_explain_example_is_what_explain_prints(capsys):
     command, expected = block[0].split(), block[1:]
     assert command[0] == "dsa-indexer" and main(command[1:]) == 0
     assert capsys.readouterr().out.strip().splitlines()[:len(expected)] == expected
+
+
+def test_performance_tables_match_their_json():
+    """The generated blocks of docs/performance.md are what benchmarks/render_performance_tables.py makes from the
+    committed JSON (run it after committing new results)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render_performance_tables.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
