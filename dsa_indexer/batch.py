@@ -74,6 +74,12 @@ def _key_slots(table: torch.Tensor, request: torch.Tensor, positions: torch.Tens
     return slots, completes.reshape(-1).nonzero().reshape(-1)
 
 
+def _last_position(positions: torch.Tensor, request: torch.Tensor) -> tuple[int, int]:
+    """(largest position, its request) from the host tensors, for the RoPE-table check at forward."""
+    row = int(positions.argmax())
+    return int(positions[row]), int(request[row])
+
+
 def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
     """The CompressorState slot of each request: ``state_slots`` if given, else the request's index."""
     if state_slots is None:
@@ -102,6 +108,7 @@ class DecodeBatch:
     state_slot: torch.Tensor | None = None  # [B * next_n] int64 CompressorState slot of each row (-1: padding)
     max_state_slot: int = -1  # host copy of state_slot.max(), checked against the state without a device sync
     max_page: int = -1  # the largest cache page the block table uses (host int; -1: unknown or none)
+    last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints; checked at forward
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +156,8 @@ class DecodeBatch:
         return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
                    positions.reshape(-1).to(device), slots.reshape(-1).to(device),
                    request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio,
-                   compress_rows.to(device), state.reshape(-1).to(device), int(state.max()), max_page)
+                   compress_rows.to(device), state.reshape(-1).to(device), int(state.max()), max_page,
+                   _last_position(positions.reshape(-1), request.reshape(-1)))
 
 
 @dataclass
@@ -173,6 +181,7 @@ class PrefillBatch:
     state_slot: torch.Tensor | None = None  # [T] int64 CompressorState slot of each row
     max_state_slot: int = -1  # host copy of state_slot.max()
     max_page: int = -1  # the largest cache page the block table uses (host int)
+    last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints
 
     @property
     def num_tokens(self) -> int:
@@ -215,4 +224,5 @@ class PrefillBatch:
         return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
-                   compress_rows.to(device), state.to(device), int(state.max()), max_page)
+                   compress_rows.to(device), state.to(device), int(state.max()), max_page,
+                   _last_position(positions, request))

@@ -356,6 +356,7 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
         if cache.device != x.device:
             raise IndexerInputError(f"cache is on {cache.device} but x is on {x.device}")
+        self._check_positions(batch)
         if batch.max_page >= cache.num_pages:
             raise IndexerInputError(f"batch's block_table uses cache page {batch.max_page} but the cache has "
                                     f"{cache.num_pages} pages: build the batch with num_cache_pages=cache.num_pages")
@@ -370,6 +371,15 @@ class Indexer(nn.Module):
         if q_lora_quant is not None and not isinstance(q_lora_quant, QuantizedActivation):
             raise IndexerInputError(f"q_lora_quant must be a QuantizedActivation, got {type(q_lora_quant).__name__}")
         return t
+
+    def _check_positions(self, batch: DecodeBatch | PrefillBatch) -> None:
+        """Positions against the RoPE table, from the batch's host metadata (no device read): on a GPU the prologue
+        kernels would otherwise read past the table."""
+        position, request = batch.last_position
+        if position >= self.config.max_position:
+            raise IndexerInputError(f"request {request} has a token at position {position}, past the RoPE table "
+                                    f"(max_position={self.config.max_position} of {self.config.name}); build the "
+                                    "config with a larger max_position if the model supports it")
 
     def _compression_step(self, batch: DecodeBatch | PrefillBatch, state) -> CompressionStep:
         """Check ``compressor_state`` against this C4 step and bundle what the compressor needs."""
@@ -422,6 +432,7 @@ class Indexer(nn.Module):
                                     f"got {list(x.shape)}")
         if not isinstance(cache, IndexKCache):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
+        self._check_positions(batch)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self._compression_step(batch, compressor_state))
         k_path(self, x, batch.positions, key_store, cache.data)

@@ -41,3 +41,13 @@ def test_to_physical_slots_checks_its_arguments():
         indexer.to_physical_slots(torch.full((2, 8), 500, dtype=torch.int32), batch)
     with pytest.raises(IndexerInputError, match="batch must be a DecodeBatch"):
         indexer.to_physical_slots(torch.zeros(2, 8, dtype=torch.int32), object())
+
+
+def test_a_position_past_the_rope_table_is_refused_naming_the_request():
+    """Checked from the batch's host metadata on every device (the GPU prologue kernels would read past the table)."""
+    indexer, x, q_lora = _step()
+    table = torch.arange(66, dtype=torch.int32).view(2, 33)
+    batch = DecodeBatch.build([100, 2049], table)
+    with pytest.raises(IndexerInputError, match="request 1 has a token at position 2048, past the RoPE table "
+                                                "\\(max_position=2048"):
+        indexer(x, q_lora, batch.positions, batch, IndexKCache.allocate(66))
