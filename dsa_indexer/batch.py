@@ -182,6 +182,35 @@ class PrefillBatch:
     max_state_slot: int = -1  # host copy of state_slot.max()
     max_page: int = -1  # the largest cache page the block table uses (host int)
     last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints
+    host_bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # (ks, ke) on the host, for planning chunks
+    _plans: dict = None  # type: ignore[assignment]  # budget -> chunks, shared by every layer of the step
+
+    def plan_chunks(self, budget_bytes: int) -> list[tuple[int, int, int, int]]:
+        """Row chunks ``(start, stop, lo, hi)`` whose fp32 logits ``[stop - start, hi - lo]`` fit ``budget_bytes``
+        (at least one row each), from the host copies of ks / ke: no device sync, no per-row Python (one binary
+        search per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed once per
+        budget and shared by every layer that scores this batch."""
+        if self._plans is None:
+            self._plans = {}
+        plan = self._plans.get(budget_bytes)
+        if plan is not None:
+            return plan
+        if self.host_bounds is None:
+            self.host_bounds = (self.ks.cpu().long(), self.ke.cpu().long())
+        ks, ke = self.host_bounds
+        rows = ks.shape[0]
+        plan = []
+        start = 0
+        while start < rows:
+            # cost(stop) = (stop - start) * (ke[stop - 1] - ks[start]) * 4 grows with stop: take the largest stop
+            # within the budget (ke is non-decreasing, so ke[stop - 1] is the chunk's right end).
+            width = ke[start:] - ks[start]
+            cost = torch.arange(1, rows - start + 1) * width * 4
+            stop = start + max(1, int(torch.searchsorted(cost, torch.tensor(budget_bytes), right=True)))
+            plan.append((start, stop, int(ks[start]), int(ke[stop - 1])))
+            start = stop
+        self._plans[budget_bytes] = plan
+        return plan
 
     @property
     def num_tokens(self) -> int:
@@ -225,4 +254,4 @@ class PrefillBatch:
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
                    compress_rows.to(device), state.to(device), int(state.max()), max_page,
-                   _last_position(positions, request))
+                   _last_position(positions, request), (ks_t.long(), ke_t.long()))

@@ -458,24 +458,12 @@ class Indexer(nn.Module):
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q_fp8.device)
-        ks_host, ke_host = batch.ks.cpu(), batch.ke.cpu()
-        rows = batch.num_tokens
-        start = 0
-        while start < rows:
-            # Grow the chunk while its [rows, keys] fp32 logits stay under the budget (at least one row).
-            stop = start + 1
-            lo, hi = int(ks_host[start]), int(ke_host[start])
-            while stop < rows:
-                nlo, nhi = min(lo, int(ks_host[stop])), max(hi, int(ke_host[stop]))
-                if (stop + 1 - start) * (nhi - nlo) * 4 > self.logits_budget_bytes:
-                    break
-                lo, hi, stop = nlo, nhi, stop + 1
+        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes):
             ks = batch.ks[start:stop] - lo
             ke = batch.ke[start:stop] - lo
             logits = ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], key_scales[lo:hi], weights[start:stop],
                                            ks, ke, target=self.target)
             out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
-            start = stop
         return out
 
     # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------

@@ -51,3 +51,37 @@ def test_a_position_past_the_rope_table_is_refused_naming_the_request():
     with pytest.raises(IndexerInputError, match="request 1 has a token at position 2048, past the RoPE table "
                                                 "\\(max_position=2048"):
         indexer(x, q_lora, batch.positions, batch, IndexKCache.allocate(66))
+
+
+def _greedy_plan(ks, ke, budget):
+    """The plan row by row (what the indexer did before): grow a chunk while its fp32 logits fit the budget."""
+    plan, start, rows = [], 0, len(ks)
+    while start < rows:
+        stop, lo, hi = start + 1, ks[start], ke[start]
+        while stop < rows:
+            nlo, nhi = min(lo, ks[stop]), max(hi, ke[stop])
+            if (stop + 1 - start) * (nhi - nlo) * 4 > budget:
+                break
+            lo, hi, stop = nlo, nhi, stop + 1
+        plan.append((start, stop, lo, hi))
+        start = stop
+    return plan
+
+
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_prefill_chunk_plan_is_vectorized_bounded_and_shared(ratio):
+    from dsa_indexer import PrefillBatch
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    prefix = torch.randint(0, 3000, (5,), generator=gen).tolist()
+    extend = torch.randint(1, 1500, (5,), generator=gen).tolist()
+    pages = [-(-((p + e) // ratio) // 64) for p, e in zip(prefix, extend)]
+    table = torch.zeros(5, max(pages), dtype=torch.int32)
+    batch = PrefillBatch.build(prefix, extend, table, compress_ratio=ratio)
+    for budget in (4 << 10, 1 << 20, 64 << 20):
+        plan = batch.plan_chunks(budget)
+        assert plan == _greedy_plan(batch.ks.tolist(), batch.ke.tolist(), budget)
+        assert plan[0][0] == 0 and plan[-1][1] == batch.num_tokens
+        assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))
+        assert all((stop - start) * (hi - lo) * 4 <= budget or stop - start == 1 for start, stop, lo, hi in plan)
+        assert batch.plan_chunks(budget) is plan  # computed once per budget, shared by every layer
