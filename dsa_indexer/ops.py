@@ -235,8 +235,8 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
                      target: Target | str | None = None) -> None:
     """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
 
-    ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight) or "none" (V4 compressed keys,
-    already normed by the model's compressor). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
+    ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight: V4's compressor norms its pooled
+    entries here) or "none" (keys normed by the caller). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
     """
     v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
     t, d = k.shape
