@@ -157,9 +157,10 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
     fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_impl
     normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8, target=_target_name(target))
-    # Which implementation made it decides the producer tag (a cached resolution, no kernel).
-    res = default_registry().resolve("rmsnorm_quant_fp8", _target_for(x, _target_name(target)),
-                                     _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8), x.shape[-1]))
+    # Which implementation made it decides the producer tag: the resolution the call just used (a dict lookup).
+    key = ("rmsnorm_quant_fp8", _target_for(x, _target_name(target)),
+           _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8), x.shape[-1]))
+    res = default_registry().used.get(key) or default_registry().resolve(*key)
     producer = res.chosen.info.get("producer", PRODUCER_ROUNDED) if res.chosen is not None else PRODUCER_ROUNDED
     layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8, producer=producer)
     return normed, QuantizedActivation(x_fp8, scales, layout)
