@@ -185,14 +185,14 @@ class PrefillBatch:
     host_bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # (ks, ke) on the host, for planning chunks
     _plans: dict = None  # type: ignore[assignment]  # budget -> chunks, shared by every layer of the step
 
-    def plan_chunks(self, budget_bytes: int) -> list[tuple[int, int, int, int]]:
-        """Row chunks ``(start, stop, lo, hi)`` whose fp32 logits ``[stop - start, hi - lo]`` fit ``budget_bytes``
-        (at least one row each), from the host copies of ks / ke: no device sync, no per-row Python (one binary
-        search per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed once per
-        budget and shared by every layer that scores this batch."""
+    def plan_chunks(self, budget_bytes: int, row_bytes: int = 0) -> list[tuple[int, int, int, int]]:
+        """Row chunks ``(start, stop, lo, hi)`` whose fp32 logits ``[stop - start, hi - lo]`` plus ``row_bytes`` per
+        row (the q path's intermediates) fit ``budget_bytes`` (at least one row each), from the host copies of
+        ks / ke: no device sync, no per-row Python (one binary search per chunk; ks and ke never decrease along the
+        rows, as `build` makes them). Computed once per (budget, row bytes) and shared by every layer."""
         if self._plans is None:
             self._plans = {}
-        plan = self._plans.get(budget_bytes)
+        plan = self._plans.get((budget_bytes, row_bytes))
         if plan is not None:
             return plan
         if self.host_bounds is None:
@@ -205,11 +205,11 @@ class PrefillBatch:
             # cost(stop) = (stop - start) * (ke[stop - 1] - ks[start]) * 4 grows with stop: take the largest stop
             # within the budget (ke is non-decreasing, so ke[stop - 1] is the chunk's right end).
             width = ke[start:] - ks[start]
-            cost = torch.arange(1, rows - start + 1) * width * 4
+            cost = torch.arange(1, rows - start + 1) * (width * 4 + row_bytes)
             stop = start + max(1, int(torch.searchsorted(cost, torch.tensor(budget_bytes), right=True)))
             plan.append((start, stop, int(ks[start]), int(ke[stop - 1])))
             start = stop
-        self._plans[budget_bytes] = plan
+        self._plans[(budget_bytes, row_bytes)] = plan
         return plan
 
     @property

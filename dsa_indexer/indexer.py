@@ -25,7 +25,7 @@ from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
-from .pipeline import PIPELINE_OP, STEPS, k_path
+from .pipeline import PIPELINE_OP, STEPS, k_path, q_path
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
 from .contract.validate import IndexerInputError, ranges_checked as check_values, tensor as check_tensor
@@ -33,7 +33,7 @@ from .contract.validate import IndexerInputError, ranges_checked as check_values
 log = logging.getLogger("dsa_indexer")
 
 CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."  # V3.2; each config names its own
-DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of fp32 prefill logits materialized at once
+DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of a prefill chunk's fp32 logits and q-path intermediates, at once
 
 
 COMPRESSOR_KEYS = ("wkv.weight", "wgate.weight", "ape", "norm.weight")  # under <prefix>compressor.
@@ -415,10 +415,46 @@ class Indexer(nn.Module):
         strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self._compression_step(batch, compressor_state))
+        if not decode and batch.max_keys_per_row > self.config.topk:
+            plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
+            if len(plan) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
+                return self._prefill_in_chunks(x, q_lora, positions, batch, cache, q_lora_quant, key_store, plan)
         q_fp8, weights = strategy(self, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         if decode:
             return self._score_decode(q_fp8, weights, batch, cache)
         return self._score_prefill(q_fp8, weights, batch, cache)
+
+    def q_path_bytes_per_row(self) -> int:
+        """Peak bytes the q path holds per token: wq_b's bf16 output, fp32 prologue temporaries, the fp8 q, the head
+        weights, a quantized q_lora (about 57 KiB at V3.2 size); counted against the prefill budget with the logits."""
+        cfg = self.config
+        hd = cfg.n_heads * cfg.head_dim
+        return hd * (2 + 4 + 1) + cfg.n_heads * 4 * 2 + cfg.q_lora_rank * 2
+
+    def _prefill_in_chunks(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant,
+                           key_store, plan) -> torch.Tensor:
+        """Bounded prefill: every key of the batch stored first (a query sees the keys of the tokens before it in
+        the same batch), in token blocks for V3.2; then, per planned chunk of rows, the q path and the scoring, so
+        no intermediate grows with the batch beyond the budget (the int32 [T, topk] output aside)."""
+        if self.compressor is None:
+            for start, stop, _, _ in plan:
+                k_path(self, x[start:stop], positions[start:stop], key_store[start:stop], cache.data)
+        else:  # the compressor's window reads earlier rows of the same step: one call over the batch
+            k_path(self, x, positions, key_store, cache.data)
+        k = self.config.topk
+        keys, key_scales = cache.gather(batch.gather_slots)
+        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=x.device)
+        for start, stop, lo, hi in plan:
+            quant = None
+            if q_lora_quant is not None:
+                quant = QuantizedActivation(q_lora_quant.data[start:stop], q_lora_quant.scales[start:stop],
+                                            dataclasses.replace(q_lora_quant.layout, rows=stop - start))
+            q_fp8, weights = q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
+            ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
+            logits = ops.ragged_mqa_logits(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke,
+                                           target=self.target)
+            out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
+        return out
 
     @torch.no_grad()
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
@@ -458,7 +494,7 @@ class Indexer(nn.Module):
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q_fp8.device)
-        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes):
+        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
             ks = batch.ks[start:stop] - lo
             ke = batch.ke[start:stop] - lo
             logits = ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], key_scales[lo:hi], weights[start:stop],
