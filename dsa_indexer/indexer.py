@@ -441,10 +441,17 @@ class Indexer(nn.Module):
                 k_path(self, x[start:stop], positions[start:stop], key_store[start:stop], cache.data)
         else:  # the compressor's window reads earlier rows of the same step: one call over the batch
             k_path(self, x, positions, key_store, cache.data)
+        return self._score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
+
+    def _score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
+                    ) -> torch.Tensor:
+        """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache."""
         k = self.config.topk
+        if batch.max_keys_per_row <= k:
+            return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=x.device)
-        for start, stop, lo, hi in plan:
+        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
             quant = None
             if q_lora_quant is not None:
                 quant = QuantizedActivation(q_lora_quant.data[start:stop], q_lora_quant.scales[start:stop],
@@ -456,7 +463,6 @@ class Indexer(nn.Module):
             out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
         return out
 
-    @torch.no_grad()
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                    compressor_state: CompressorState | None = None) -> None:
         """Store the keys of ``batch``'s tokens ``x`` [T, hidden] without scoring any query (what a model does for
