@@ -87,7 +87,6 @@ class CompressionStep:
     state_slot: torch.Tensor  # [T] int64 state slot of each row; -1: a padding row that touches nothing
     compress_rows: torch.Tensor  # [E] int64 rows whose position completes an entry ((p + 1) % 4 == 0)
     entry_slots: torch.Tensor  # [T] int64 cache slot of the entry a row completes, -1 for other rows
-    num_requests: int
 
 
 class Compressor(nn.Module):

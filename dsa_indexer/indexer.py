@@ -402,7 +402,7 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"batch uses compressor state slot {batch.max_state_slot} but compressor_state "
                                     f"has {state.num_slots} slots")
         return CompressionStep(state, batch.positions, batch.row_request, batch.state_slot, batch.compress_rows,
-                               batch.slot_mapping, batch.block_table.shape[0])
+                               batch.slot_mapping)
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
