@@ -457,10 +457,7 @@ class Indexer(nn.Module):
                 quant = QuantizedActivation(q_lora_quant.data[start:stop], q_lora_quant.scales[start:stop],
                                             dataclasses.replace(q_lora_quant.layout, rows=stop - start))
             q_fp8, weights = q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
-            ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
-            logits = ops.ragged_mqa_logits(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke,
-                                           target=self.target)
-            out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
+            self._score_chunk(q_fp8, weights, keys, key_scales, batch, start, stop, lo, hi, out)
         return out
 
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
@@ -501,12 +498,16 @@ class Indexer(nn.Module):
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q_fp8.device)
         for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
-            ks = batch.ks[start:stop] - lo
-            ke = batch.ke[start:stop] - lo
-            logits = ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], key_scales[lo:hi], weights[start:stop],
-                                           ks, ke, target=self.target)
-            out[start:stop] = ops.topk_indices(logits, k, ke, ks, target=self.target)
+            self._score_chunk(q_fp8[start:stop], weights[start:stop], keys, key_scales, batch, start, stop, lo, hi,
+                              out)
         return out
+
+    def _score_chunk(self, q_fp8, weights, keys, key_scales, batch: PrefillBatch, start: int, stop: int, lo: int,
+                     hi: int, out: torch.Tensor) -> None:
+        """Ragged logits of rows [start, stop) over gathered keys [lo, hi), then their top-k into ``out``."""
+        ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
+        logits = ops.ragged_mqa_logits(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, target=self.target)
+        out[start:stop] = ops.topk_indices(logits, self.config.topk, ke, ks, target=self.target)
 
     # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------
     def capture_decode(self, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,

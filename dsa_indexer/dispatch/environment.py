@@ -1,7 +1,7 @@
 """Facts about the software on this machine that decide which implementations can run.
 
 Resolution reads these facts only through an `Environment`, so tests can simulate any machine:
-``Environment.simulated(gpu=True, triton=True, deep_gemm=False)`` describes an sm90 box without DeepGEMM.
+``Environment.simulated(gpu=True, triton=True)`` describes a GPU machine with Triton and no vendor library.
 A fact is a name mapped to ``None`` (present and working) or a reason string (absent or broken).
 Real facts are probed lazily, once. The portable facts (``gpu``, ``triton``) are here; each platform brings its
 vendor's (dispatch/platform.py), and a backend replaces a probe with a deeper one (a self-test) through

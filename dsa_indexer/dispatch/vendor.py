@@ -33,7 +33,7 @@ class VendorLibrary:
     - ``usable(api)`` -> reason or None: the detected API offers something the adapters use.
     - ``self_test(module, api, device)`` -> api: run the adapters once against the reference; raise on a mismatch.
     - ``after_import(module)`` -> reason or None: checks that need the module (a device query through it).
-    - ``catch_base_exceptions``: the import may call ``exit()`` (aiter without ROCm tools).
+    - ``catch_base_exceptions``: the import may call ``exit()`` (a library whose import needs its vendor toolkit).
     """
 
     module: str
