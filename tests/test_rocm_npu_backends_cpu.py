@@ -796,3 +796,20 @@ def test_npu_adapter_rejects_bad_input_by_name(monkeypatch, bad, words):
 def test_npu_adapter_signature_is_the_documented_one():
     params = list(inspect.signature(npu_lightning.npu_lightning_indexer_bf16).parameters)
     assert params == ["q_bf16", "key_cache_bf16", "weights", "cu_seqlens_q", "seq_lens_k", "block_table", "k"]
+
+
+def test_old_aiter_page_size_one_paged_kernel_is_not_adapted(monkeypatch):
+    """aiter 0.1.7's deepgemm_fp8_paged_mqa_logits (no KVBlockSize: a page-size-1 cache) is rejected by the feature
+    check, so the detected API has no paged logits and Triton serves them."""
+    from dsa_indexer.backends.rocm import paged
+
+    def old(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, Preshuffle=False,
+            ChunkK=256, SplitKV=5):
+        raise AssertionError("must not be called")
+
+    module = types.ModuleType("aiter.ops.triton.pa_mqa_logits")
+    module.deepgemm_fp8_paged_mqa_logits = old
+    monkeypatch.setitem(sys.modules, "aiter.ops.triton.attention.pa_mqa_logits", None)
+    monkeypatch.setitem(sys.modules, "aiter.ops.triton.pa_mqa_logits", module)
+    assert not paged._takes_block_size(old)
+    assert paged.find_wrapper() is None
