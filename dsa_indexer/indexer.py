@@ -446,19 +446,11 @@ class Indexer(nn.Module):
     def _score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
                     ) -> torch.Tensor:
         """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache."""
-        k = self.config.topk
-        if batch.max_keys_per_row <= k:
-            return self._all_visible(batch.ke - batch.ks)
-        keys, key_scales = cache.gather(batch.gather_slots)
-        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=x.device)
-        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
-            quant = None
-            if q_lora_quant is not None:
-                quant = QuantizedActivation(q_lora_quant.data[start:stop], q_lora_quant.scales[start:stop],
-                                            dataclasses.replace(q_lora_quant.layout, rows=stop - start))
-            q_fp8, weights = q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
-            self._score_chunk(q_fp8, weights, keys, key_scales, batch, start, stop, lo, hi, out)
-        return out
+        def q_of(start: int, stop: int):
+            quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
+            return q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
+
+        return self._score_planned(batch, cache, q_of)
 
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                    compressor_state: CompressorState | None = None) -> None:
@@ -492,14 +484,19 @@ class Indexer(nn.Module):
                                      batch.max_context_len, k, target=self.target)
 
     def _score_prefill(self, q_fp8, weights, batch: PrefillBatch, cache: IndexKCache) -> torch.Tensor:
+        return self._score_planned(batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]))
+
+    def _score_planned(self, batch: PrefillBatch, cache: IndexKCache, q_of) -> torch.Tensor:
+        """Prefill scoring over the batch's planned chunks; ``q_of(start, stop)`` gives the chunk's (q_fp8, weights),
+        already computed (one-pass prefill) or computed per chunk (bounded and context-parallel prefill)."""
         k = self.config.topk
         if batch.max_keys_per_row <= k:
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
-        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=q_fp8.device)
+        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
         for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
-            self._score_chunk(q_fp8[start:stop], weights[start:stop], keys, key_scales, batch, start, stop, lo, hi,
-                              out)
+            q_fp8, weights = q_of(start, stop)
+            self._score_chunk(q_fp8, weights, keys, key_scales, batch, start, stop, lo, hi, out)
         return out
 
     def _score_chunk(self, q_fp8, weights, keys, key_scales, batch: PrefillBatch, start: int, stop: int, lo: int,

@@ -84,14 +84,7 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
         scale_view[s // 64, s % 64] = p[:, 128:].contiguous().view(torch.float32).reshape(-1)
     # 3. q path, logits and top-k of this rank's rows (the indexer's own bounded prefill scoring).
     mine = _rows_batch(batch, rows)
-    quant = None
-    if q_lora_quant is not None:
-        import dataclasses
-
-        from .contract.quant import QuantizedActivation
-
-        quant = QuantizedActivation(q_lora_quant.data[rows], q_lora_quant.scales[rows],
-                                    dataclasses.replace(q_lora_quant.layout, rows=rows.numel()))
+    quant = q_lora_quant.select_rows(rows) if q_lora_quant is not None else None
     out = indexer._score_rows(x[rows], q_lora[rows], positions[rows], mine, cache, quant)
     if not gather_output:
         return rows, out

@@ -8,6 +8,7 @@ the tag that lets the indexer decide, and `reuse_rejection` says why not when it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,12 @@ class QuantizedActivation:
 
     def __iter__(self):  # allows ``x_fp8, scales, layout = q_lora_quant``
         return iter((self.data, self.scales, self.layout))
+
+    def select_rows(self, rows: slice | torch.Tensor) -> "QuantizedActivation":
+        """The same activation for a subset of its rows (a slice or an index tensor), its layout's row count to
+        match: what a chunked or split prefill hands the GEMM for its rows."""
+        data = self.data[rows]
+        return QuantizedActivation(data, self.scales[rows], dataclasses.replace(self.layout, rows=data.shape[0]))
 
 
 # What the library's block-fp8 GEMMs take: per-token groups of 128, plain fp32 row-major scales, in the target's fp8
