@@ -118,6 +118,15 @@ class DecodeBatch:
     def batch_size(self) -> int:
         return self.block_table.shape[0]
 
+    def request_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cu_seqlens_q [B + 1], seq_lens_k [B], block_table)`` for the plain-layout ragged indexer: request b
+        owns rows ``[b * next_n, (b + 1) * next_n)`` and has ``positions[last row] + 1`` tokens (device ops only)."""
+        b, n = self.batch_size, self.next_n
+        device = self.positions.device
+        cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=device)
+        seq = (self.positions.view(b, n)[:, -1] + 1).to(torch.int32)
+        return cu, seq, self.block_table
+
     @classmethod
     def build(cls, seq_lens, block_table, *, next_n: int = 1, num_cache_pages: int | None = None,
               device: torch.device | str = "cpu", compress_ratio: int = 1,
@@ -184,6 +193,36 @@ class PrefillBatch:
     last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints
     host_bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # (ks, ke) on the host, for planning chunks
     _plans: dict = None  # type: ignore[assignment]  # budget -> chunks, shared by every layer of the step
+    # (first row of each request [B + 1], its tokens prefix + extend [B]) on the host: the ragged query metadata of
+    # the plain-layout indexer (`request_rows`), sliced per chunk without a device read.
+    host_requests: tuple[torch.Tensor, torch.Tensor] | None = None
+    _request_rows: dict = None  # type: ignore[assignment]  # (start, stop) -> device metadata, shared by layers
+
+    def request_rows(self, start: int = 0, stop: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cu_seqlens_q [B' + 1], seq_lens_k [B'], block_table [B', pages])`` on the device for rows
+        ``[start, stop)``: the requests those rows belong to, their rows' offsets from ``start`` and each request's
+        tokens up to its last row in the range (its rows are its last tokens there, so a causal kernel aligned at
+        the bottom right sees exactly the keys each row sees). Built from host metadata, cached per range."""
+        stop = self.num_tokens if stop is None else stop
+        if self._request_rows is None:
+            self._request_rows = {}
+        cached = self._request_rows.get((start, stop))
+        if cached is not None:
+            return cached
+        if self.host_requests is None:
+            raise IndexerInputError("this PrefillBatch has no request metadata: build it with PrefillBatch.build")
+        first_row, tokens = self.host_requests
+        first = int(torch.searchsorted(first_row, torch.tensor(start), right=True)) - 1
+        last = int(torch.searchsorted(first_row, torch.tensor(stop - 1), right=True)) - 1
+        bounds = first_row[first:last + 2].clamp(start, stop) - start
+        lens = tokens[first:last + 1].clone()
+        lens[-1] -= int(first_row[last + 1]) - stop  # the last request's rows end at ``stop``
+        device = self.ks.device
+        cached = (bounds.to(device, torch.int32), lens.to(device, torch.int32),
+                  self.block_table[first:last + 1].contiguous())
+        self._request_rows[(start, stop)] = cached
+        return cached
 
     def plan_chunks(self, budget_bytes: int, row_bytes: int = 0) -> list[tuple[int, int, int, int]]:
         """Row chunks ``(start, stop, lo, hi)`` whose fp32 logits ``[stop - start, hi - lo]`` plus ``row_bytes`` per
@@ -254,4 +293,5 @@ class PrefillBatch:
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
                    compress_rows.to(device), state.to(device), int(state.max()), max_page,
-                   _last_position(positions, request), (ks_t.long(), ke_t.long()))
+                   _last_position(positions, request), (ks_t.long(), ke_t.long()),
+                   host_requests=(torch.cat([torch.zeros(1, dtype=torch.long), extend.cumsum(0)]), total.clone()))

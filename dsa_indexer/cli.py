@@ -30,13 +30,25 @@ DEFAULT_PROBLEMS = {
     "rmsnorm_quant_fp8": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
     "indexer_pipeline": dict(tokens=32, decode=True, q_lora_quant=False),
     "c4_compress_pool": dict(dim=128, window=8),
+    "q_prologue_plain": dict(heads=64, dim=128, rope_dim=64, interleaved=False, format="bf16"),
+    "k_prologue_store_plain": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", format="bf16"),
+    "lightning_indexer_ragged": dict(heads=64, dim=128, k=2048, format="bf16", ratio=1),
 }
+# Facts that follow the target's platform unless given: the cache layout it allocates (V3.2), and its key format.
+PLAIN_FORMATS = {"paged64_bf16": "bf16", "paged64_int8": "int8"}
 
 
 def _problem_for(op: str, target, overrides: dict) -> Problem:
+    from .dispatch.platform import platform_of
+
     facts = dict(DEFAULT_PROBLEMS.get(op, {}))
     if "fp8" in facts and target.fp8_dtype == torch.float8_e4m3fnuz:
         facts["fp8"] = "fnuz"  # the target's own flavour, as its platform says
+    layout = platform_of(target.vendor).cache_layout(1)
+    if op == "indexer_pipeline":
+        facts["cache"] = layout  # the layout Indexer.allocate_cache picks on this target
+    if "format" in facts and layout in PLAIN_FORMATS:
+        facts["format"] = PLAIN_FORMATS[layout]
     facts.update(overrides)
     from . import ops
 

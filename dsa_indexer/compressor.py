@@ -31,6 +31,7 @@ from torch import nn
 
 from . import ops
 from .config import IndexerConfig
+from .contract.cache import IndexKCache
 from .contract.validate import IndexerInputError
 
 RATIO = 4
@@ -165,11 +166,12 @@ class Compressor(nn.Module):
         ring = torch.arange(first_position, first_position + x_tail.shape[0], device=state.device) % WINDOW
         state.window[slot, ring] = self.project(x_tail.to(state.device))
 
-    def step(self, x: torch.Tensor, step: CompressionStep, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
+    def step(self, x: torch.Tensor, step: CompressionStep, kv_cache, cos_sin: torch.Tensor,
              fp8_dtype: torch.dtype, target=None) -> None:
         """Compress and store every entry this step's tokens complete, then roll the state forward: the fp32
         projection GEMM, the `c4_compress_pool` op (window gather, softmax pooling, state update), and the
-        `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1)."""
+        `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1).
+        ``kv_cache``: the fp8 page tensor, or a plain-layout `IndexKCache` (stored by `k_prologue_store_plain`)."""
         cfg = self.config
         rows = step.compress_rows
         pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
@@ -177,6 +179,12 @@ class Compressor(nn.Module):
         # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
         # slot -1 and store nothing, but their position must still index the table: clamp at 0.
         entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
+        if isinstance(kv_cache, IndexKCache):
+            ops.k_prologue_store_plain(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
+                                       kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
+                                       key_format=kv_cache.key_format, rope_offset=cfg.rope_offset,
+                                       interleaved=cfg.rope_interleaved, norm="rmsnorm", target=target)
+            return
         ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
                              kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
                              interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm",

@@ -18,14 +18,14 @@ from torch import nn
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .contract.cache import IndexKCache, indices_to_slots
+from .contract.cache import LAYOUT_PAGED64, IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
-from .pipeline import PIPELINE_OP, STEPS, k_path, q_path
+from .pipeline import PIPELINE_OP, STEPS, k_path, k_path_plain, q_path, q_path_plain
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
 from .contract.validate import IndexerInputError, ranges_checked as check_values, tensor as check_tensor
@@ -144,6 +144,7 @@ class Indexer(nn.Module):
         self.fuse_x_projections = True
         self.steps = STEPS  # the shared steps a pipeline strategy orders (pipeline.PipelineSteps)
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
+        self._activation_wq_b: tuple[tuple, torch.Tensor] | None = None
 
     # --- weights ------------------------------------------------------------------------------------------
     @property
@@ -296,6 +297,27 @@ class Indexer(nn.Module):
             self._x_projection = (key, torch.cat(parts, dim=0).contiguous())
         return self._x_projection[1]
 
+    def activation_wq_b(self) -> torch.Tensor:
+        """``wq_b``'s weight in the activation dtype ([H * D, q_lora_rank]): the block-fp8 weight dequantized once
+        (cached, rebuilt when the weight changes), for the plain-layout q path, which runs no fp8 GEMM."""
+        if not self.wq_b_is_block_fp8:
+            return self.wq_b.weight
+        parts = (self.wq_b.weight, self.wq_b.weight_scale_inv)
+        key = tuple((p.data_ptr(), _version_of(p), p.device) for p in parts)
+        if self._activation_wq_b is None or self._activation_wq_b[0] != key:
+            self._activation_wq_b = (key, self.wq_b.dequantize().to(self.dtype).contiguous())
+        return self._activation_wq_b[1]
+
+    def allocate_cache(self, num_pages: int, layout: str | None = None) -> IndexKCache:
+        """An empty index-K cache of ``num_pages`` 64-token pages on this indexer's device, in ``layout`` (default:
+        what the target's platform stores: the fp8 132-byte pages, or on Ascend the plain bf16 layout for V3.2 and
+        the int8 one for V4's C4 indexer, which torch_npu's indexer kernels read)."""
+        from .dispatch.platform import platform_of
+
+        if layout is None:
+            layout = platform_of(self.target.vendor).cache_layout(self.config.compress_ratio)
+        return IndexKCache.allocate(num_pages, self.weights_proj.weight.device, self.fp8_dtype, layout)
+
     # --- resolution helpers -------------------------------------------------------------------------------
     @property
     def target(self) -> Target:
@@ -332,8 +354,9 @@ class Indexer(nn.Module):
             self.reuse_stats[f"dropped: {reason}"] += 1
             log.debug("q_lora_quant dropped, re-quantizing from bf16: %s", reason)
 
-    def pipeline_resolution(self, x: torch.Tensor, decode: bool, has_quant: bool) -> Resolution:
-        problem = Problem(tokens=token_bucket(x.shape[0]), decode=decode, q_lora_quant=has_quant)
+    def pipeline_resolution(self, x: torch.Tensor, decode: bool, has_quant: bool,
+                            cache_layout: str = LAYOUT_PAGED64) -> Resolution:
+        problem = Problem(tokens=token_bucket(x.shape[0]), decode=decode, q_lora_quant=has_quant, cache=cache_layout)
         return default_registry().choose(PIPELINE_OP, self.target, problem)
 
     # --- the step -----------------------------------------------------------------------------------------
@@ -365,7 +388,7 @@ class Indexer(nn.Module):
                 if not bool(torch.isfinite(value).all()):
                     raise IndexerInputError(f"{name} holds NaN or inf values (the top-k of such rows is meaningless "
                                             "and their keys would be stored)")
-        if cache.fp8_dtype != self.fp8_dtype:
+        if not cache.is_plain and cache.fp8_dtype != self.fp8_dtype:
             raise IndexerInputError(f"cache holds {cache.fp8_dtype} keys but this target's indexer writes "
                                     f"{self.fp8_dtype}: never mix e4m3fn and e4m3fnuz")
         if q_lora_quant is not None and not isinstance(q_lora_quant, QuantizedActivation):
@@ -410,11 +433,13 @@ class Indexer(nn.Module):
                 compressor_state: CompressorState | None = None) -> torch.Tensor:
         self._check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
         decode = isinstance(batch, DecodeBatch)
-        res = self.pipeline_resolution(x, decode, q_lora_quant is not None)
+        res = self.pipeline_resolution(x, decode, q_lora_quant is not None, cache.layout)
         self.last_pipeline = res
         strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self._compression_step(batch, compressor_state))
+        if cache.is_plain:
+            return self._forward_plain(strategy, x, q_lora, positions, batch, cache, q_lora_quant, key_store, decode)
         if not decode and batch.max_keys_per_row > self.config.topk:
             plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
             if len(plan) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
@@ -443,6 +468,36 @@ class Indexer(nn.Module):
             k_path(self, x, positions, key_store, cache.data)
         return self._score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
 
+    def _forward_plain(self, strategy, x, q_lora, positions, batch, cache: IndexKCache, q_lora_quant, key_store,
+                       decode: bool) -> torch.Tensor:
+        """A plain-layout cache (bf16 / int8 keys): the strategy's q and k paths, then one
+        `lightning_indexer_ragged` over the batch's rows (decode, speculative and prefill alike: the fused kernel
+        never materializes logits). A prefill over the budget stores every key first, then runs the q path and the
+        kernel per planned chunk of rows."""
+        if not decode and batch.max_keys_per_row > self.config.topk:
+            plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
+            if len(plan) > 1:
+                if self.compressor is None:
+                    for start, stop, _, _ in plan:
+                        k_path_plain(self, x[start:stop], positions[start:stop], key_store[start:stop], cache)
+                else:
+                    k_path_plain(self, x, positions, key_store, cache)
+                out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
+                for start, stop, _, _ in plan:
+                    quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
+                    q, q_scales, weights = q_path_plain(self, x[start:stop], q_lora[start:stop],
+                                                        positions[start:stop], quant, cache.key_format)
+                    out[start:stop] = self._score_plain(q, q_scales, weights, batch.request_rows(start, stop), cache)
+                return out
+        q, q_scales, weights = strategy(self, x, q_lora, positions, key_store, cache, q_lora_quant)
+        return self._score_plain(q, q_scales, weights, batch.request_rows(), cache)
+
+    def _score_plain(self, q, q_scales, weights, request_rows, cache: IndexKCache) -> torch.Tensor:
+        cu, seq_lens, block_table = request_rows
+        return ops.lightning_indexer_ragged(q, q_scales, cache.data, cache.scales_or_empty(), weights, cu, seq_lens,
+                                            block_table, self.config.topk, compress_ratio=self.config.compress_ratio,
+                                            target=self.target)
+
     def _score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
                     ) -> torch.Tensor:
         """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache."""
@@ -466,7 +521,10 @@ class Indexer(nn.Module):
         self._check_positions(batch)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self._compression_step(batch, compressor_state))
-        k_path(self, x, batch.positions, key_store, cache.data)
+        if cache.is_plain:
+            k_path_plain(self, x, batch.positions, key_store, cache)
+        else:
+            k_path(self, x, batch.positions, key_store, cache.data)
 
     def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:
         """Rows that see <= topk keys need no logits: the answer is every visible key, then -1."""

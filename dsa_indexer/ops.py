@@ -493,3 +493,171 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_impl
     return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows,
               target=_target_name(target))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plain paged layouts (paged64_bf16, paged64_int8: contract/cache.py), for fused indexers that read a plain
+# [pages, 64, 1, 128] key tensor (torch_npu's lightning indexers): q prologue, k store, and the fused indexer.
+KEY_FORMATS = ("bf16", "int8")
+
+
+def _check_format(key_format: str) -> None:
+    if key_format not in KEY_FORMATS:
+        raise v.IndexerInputError(f"key_format must be one of {KEY_FORMATS}, got {key_format!r}")
+
+
+def _q_prologue_plain_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                           head_weights: torch.Tensor, weight_scale: float, rope_offset: int, interleaved: bool,
+                           key_format: str, target: Optional[str] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    problem = _problem("q_prologue_plain", q.shape[1], q.shape[2], cos_sin.shape[1], interleaved, key_format)
+    return _run("q_prologue_plain", q, problem, target, q, positions, cos_sin, head_weights, weight_scale,
+                rope_offset, interleaved, key_format)
+
+
+_q_prologue_plain_op = _custom_op("q_prologue_plain", _q_prologue_plain_impl)
+
+
+def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                     weight_scale: float, *, key_format: str, rope_offset: int = 0, interleaved: bool = False,
+                     target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q prologue for a plain-layout cache: ``(q_out [T, H, D], q_scales, weights [T, H] f32)``.
+
+    ``key_format="bf16"``: RoPE only (no Hadamard: the bf16 keys are not rotated either), ``q_out`` in q's dtype,
+    ``q_scales`` empty. ``"int8"``: RoPE, Hadamard, symmetric int8 per (token, head): ``q_scales [T, H]`` fp16 =
+    ``max(|row|, 1e-4) / 127`` rounded to fp16, ``q_out = round(row / scale)`` in [-127, 127]. In both,
+    ``weights = head_weights * weight_scale`` (the q scale is NOT folded in: the int8 kernels take it apart)."""
+    v.tensor("q", q, dtype=v.ACT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    _check_format(key_format)
+    if key_format == "int8" and d & (d - 1):
+        raise v.IndexerInputError(f"q's head dim must be a power of two for the Hadamard rotation, got {d}")
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
+    _check_rope(cos_sin, d, rope_offset, q.device)
+    v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
+    v.finite_number("weight_scale", weight_scale)
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    fn = torch.ops.dsa_indexer.q_prologue_plain if _compiling() else _q_prologue_plain_impl
+    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, key_format,
+              target=_target_name(target))
+
+
+def _k_prologue_store_plain_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                                 norm_bias: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
+                                 cos_sin: torch.Tensor, key_cache: torch.Tensor, key_scales: torch.Tensor,
+                                 slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, norm: str,
+                                 key_format: str, target: Optional[str] = None) -> None:
+    problem = _problem("k_prologue_store_plain", k.shape[1], cos_sin.shape[1], interleaved, norm, key_format)
+    _run("k_prologue_store_plain", k, problem, target, k, norm_weight, norm_bias, eps, positions, cos_sin,
+         key_cache, key_scales, slot_mapping, rope_offset, interleaved, norm, key_format)
+
+
+_k_prologue_store_plain_op = _custom_op("k_prologue_store_plain", _k_prologue_store_plain_impl)
+
+
+def _check_plain_cache(key_cache: torch.Tensor, key_scales: torch.Tensor, key_format: str,
+                       device: torch.device) -> None:
+    from .contract.cache import LAYOUT_PAGED64_BF16, LAYOUT_PAGED64_INT8, check_plain_cache
+
+    layout = LAYOUT_PAGED64_BF16 if key_format == "bf16" else LAYOUT_PAGED64_INT8
+    v.tensor("key_cache", key_cache, device=device)
+    v.tensor("key_scales", key_scales, device=device)
+    try:
+        check_plain_cache(key_cache, key_scales if key_format == "int8" else None, layout)
+    except (TypeError, ValueError) as exc:
+        raise v.IndexerInputError(str(exc)) from None
+
+
+def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+                           eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, key_cache: torch.Tensor,
+                           key_scales: torch.Tensor, slot_mapping: torch.Tensor, *, key_format: str,
+                           rope_offset: int = 0, interleaved: bool = False, norm: str = "layernorm",
+                           target: Target | str | None = None) -> None:
+    """Norm + RoPE of k ``[T, 128]`` and the store into a plain-layout cache ``key_cache [pages, 64, 1, 128]``, in
+    place. ``"bf16"``: the rotated keys as bf16 (``key_scales`` an empty tensor). ``"int8"``: then Hadamard and a
+    symmetric int8 per key, its fp16 scale into ``key_scales [pages, 64, 1]``. ``slot_mapping`` -1 skips a row."""
+    v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
+    t, d = k.shape
+    _check_format(key_format)
+    if d != 128:
+        raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
+    if norm not in NORMS:
+        raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "none" and not (v.finite_number("eps", eps) > 0):
+        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
+    if norm != "none":
+        v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
+    if norm == "layernorm":
+        v.tensor("norm_bias", norm_bias, shape=(d,), device=k.device)
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    _check_rope(cos_sin, d, rope_offset, k.device)
+    _check_plain_cache(key_cache, key_scales, key_format, k.device)
+    v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    v.in_range("slot_mapping", slot_mapping, -1, key_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    fn = torch.ops.dsa_indexer.k_prologue_store_plain if _compiling() else _k_prologue_store_plain_impl
+    fn(k, norm_weight, norm_bias, float(eps), positions, cos_sin, key_cache, key_scales, slot_mapping, rope_offset,
+       interleaved, norm, key_format, target=_target_name(target))
+
+
+def _lightning_indexer_ragged_impl(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
+                                   key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, compress_ratio: int,
+                                   target: Optional[str] = None) -> torch.Tensor:
+    key_format = "int8" if key_cache.dtype == torch.int8 else "bf16"
+    problem = _problem("lightning_indexer_ragged", q.shape[1], q.shape[2], k, key_format, compress_ratio)
+    return _run("lightning_indexer_ragged", q, problem, target, q, q_scales, key_cache, key_scales, weights,
+                cu_seqlens_q, seq_lens_k, block_table, k, compress_ratio)
+
+
+_lightning_indexer_ragged_op = _custom_op("lightning_indexer_ragged", _lightning_indexer_ragged_impl)
+
+
+def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
+                             key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, *, compress_ratio: int = 1,
+                             target: Target | str | None = None) -> torch.Tensor:
+    """Logits + top-k over a plain-layout paged cache for ragged query rows (decode, speculative and prefill alike):
+    int32 ``[T, k]`` request-local key (entry) positions, best first, ties to the lower position, -1 padded.
+
+    ``q [T, H, 128]``: bf16/fp16 (bf16 cache, ``q_scales`` empty) or int8 with ``q_scales [T, H]`` fp16 (int8
+    cache, ``key_scales [pages, 64, 1]`` fp16). ``weights [T, H]`` f32. ``cu_seqlens_q [B + 1]`` int32 from 0:
+    request b owns rows ``[cu[b], cu[b + 1])``. ``seq_lens_k [B]`` int32: request b's tokens up to and including its
+    last row (its n rows are its last n tokens). ``block_table [B, pages]`` int32 maps entry j to slot
+    ``block_table[b, j // 64] * 64 + j % 64``. ``compress_ratio`` 1 or 4 (C4: the cache holds entries of 4 tokens).
+    Row i of request b (n rows, L tokens) sees entries ``j < (L - n + i + 1) // compress_ratio``; score
+    ``sum_h w[t, h] * relu(q[t, h] . k[j])`` (int8: both dequantized by their scales)."""
+    v.tensor("q", q, dtype=(*v.ACT_DTYPES, torch.int8), ndim=3)
+    t, h, d = q.shape
+    if d != 128:
+        raise v.IndexerInputError(f"q's head dim must be 128 (the cache layout's), got {d}")
+    key_format = "int8" if q.dtype == torch.int8 else "bf16"
+    _check_plain_cache(key_cache, key_scales, key_format, q.device)
+    if key_format == "int8":
+        v.tensor("q_scales", q_scales, dtype=torch.float16, shape=(t, h), device=q.device)
+    elif key_cache.dtype != q.dtype:
+        raise v.IndexerInputError(f"q ({q.dtype}) and key_cache ({key_cache.dtype}) must have one dtype")
+    v.tensor("weights", weights, dtype=torch.float32, shape=(t, h), device=q.device)
+    v.tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=q.device)
+    b = block_table.shape[0]
+    v.tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(b + 1,), device=q.device)
+    v.tensor("seq_lens_k", seq_lens_k, dtype=torch.int32, shape=(b,), device=q.device)
+    v.positive_int("k", k)
+    if compress_ratio not in (1, 4):
+        raise v.IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio!r}")
+    if v.ranges_checked(cu_seqlens_q):
+        counts = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != t or bool((counts < 0).any()):
+            raise v.IndexerInputError(f"cu_seqlens_q must start at 0, not decrease and end at T={t}, got "
+                                      f"{cu_seqlens_q.tolist()}")
+        if bool((seq_lens_k < counts).any()):
+            raise v.IndexerInputError("seq_lens_k must be >= each request's query rows (they are its last tokens)")
+        entries = seq_lens_k.long() // compress_ratio
+        v.in_range("seq_lens_k", entries, 0, block_table.shape[1] * PAGE_SIZE + 1,
+                   "entries the block table maps (seq_lens_k // compress_ratio)")
+        used = torch.arange(block_table.shape[1], device=q.device)[None, :] < \
+            ((entries + PAGE_SIZE - 1) // PAGE_SIZE)[:, None]
+        v.in_range("block_table", block_table[used], 0, key_cache.shape[0], "cache pages, for the pages in use")
+    fn = torch.ops.dsa_indexer.lightning_indexer_ragged if _compiling() else _lightning_indexer_ragged_impl
+    return fn(q.contiguous(), q_scales, key_cache, key_scales, weights.contiguous(), cu_seqlens_q, seq_lens_k,
+              block_table, k, compress_ratio, target=_target_name(target))

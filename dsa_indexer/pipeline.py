@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import ops
 from .compressor import CompressionStep
+from .contract.cache import LAYOUT_PAGED64, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 
 if TYPE_CHECKING:
@@ -28,10 +29,12 @@ PIPELINE_OP = ops.PIPELINE_OP
 
 class PipelineStrategy(Protocol):
     def __call__(self, indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
-                 key_store: torch.Tensor | CompressionStep | None, kv_cache: torch.Tensor,
-                 q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 key_store: torch.Tensor | CompressionStep | None, kv_cache: torch.Tensor | IndexKCache,
+                 q_lora_quant: QuantizedActivation | None) -> tuple[torch.Tensor, ...]:
         """Run the q and k paths; store k in ``kv_cache``; return (q_fp8 [T, H, D], weights [T, H] f32).
-        ``key_store`` is passed to `k_path` untouched: each row's cache slot (V3.2) or the compressor's step (C4)."""
+        ``key_store`` is passed to `k_path` untouched: each row's cache slot (V3.2) or the compressor's step (C4).
+        The problem's ``cache`` fact says which layout a strategy serves: for the fp8 pages ``kv_cache`` is the
+        uint8 page tensor; for a plain layout it is the `IndexKCache` and the result is (q, q_scales, weights)."""
 
 
 def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedActivation | None) -> torch.Tensor:
@@ -112,6 +115,55 @@ def single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_qua
     return q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
 
 
+# --- the plain paged layouts (paged64_bf16 / paged64_int8): no fp8 anywhere ---------------------------------------
+PLAIN_QUANT_DROPPED = ("the cache has a plain layout (bf16 / int8 keys): wq_b runs in the activation dtype, so an fp8 "
+                       "q_lora_quant has nothing to feed")
+
+
+def q_path_plain(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
+                 q_lora_quant: QuantizedActivation | None, key_format: str, head_weights: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """wq_b (on its weight in the activation dtype: `Indexer.activation_wq_b`) + RoPE (+ Hadamard and int8 for int8
+    keys) of q: ``(q [T, H, D], q_scales, weights [T, H] f32)`` for `ops.lightning_indexer_ragged`."""
+    cfg = indexer.config
+    if q_lora_quant is not None:
+        indexer.note_reuse(False, PLAIN_QUANT_DROPPED)
+    if head_weights is None:
+        head_weights = F.linear(x, indexer.weights_proj.weight)
+    q = F.linear(q_lora, indexer.activation_wq_b()).view(-1, cfg.n_heads, cfg.head_dim)
+    return ops.q_prologue_plain(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, key_format=key_format,
+                                rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, target=indexer.target)
+
+
+def k_path_plain(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
+                 key_store: torch.Tensor | CompressionStep | None, cache: IndexKCache, k: torch.Tensor | None = None
+                 ) -> None:
+    """`k_path` for a plain-layout cache: V3.2 keys (LayerNorm, RoPE) or the compressor's C4 entries (RMSNorm, RoPE
+    at 4j), stored as bf16, or Hadamard-rotated int8 with a scale, as the cache's layout says."""
+    if key_store is None:
+        return
+    if isinstance(key_store, CompressionStep):
+        indexer.compressor.step(x, key_store, cache, indexer.cos_sin, indexer.fp8_dtype, indexer.target)
+        return
+    cfg = indexer.config
+    if k is None:
+        k = F.linear(x, indexer.wk.weight)
+    ops.k_prologue_store_plain(k, indexer.k_norm.weight, indexer.k_norm.bias, cfg.norm_eps, positions, indexer.cos_sin,
+                               cache.data, cache.scales_or_empty(), key_store, key_format=cache.key_format,
+                               rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, norm=cfg.k_norm,
+                               target=indexer.target)
+
+
+def plain_single_stream(indexer, x, q_lora, positions, key_store, cache: IndexKCache, q_lora_quant):
+    """Every step in order for a plain-layout cache: x projections, k (stored first: a token sees itself), q.
+    Returns ``(q, q_scales, weights)``."""
+    head_weights = k = None
+    if indexer.fuse_x_projections:
+        head_weights, k = project_x(indexer, x)
+    k_path_plain(indexer, x, positions, key_store, cache, k)
+    return q_path_plain(indexer, x, q_lora, positions, q_lora_quant, cache.key_format, head_weights)
+
+
 class PipelineSteps:
     """The shared steps, handed to strategies through ``indexer.steps`` so a backend's strategy (dual stream) can
     reorder them without importing the model layer."""
@@ -120,14 +172,30 @@ class PipelineSteps:
     q_path = staticmethod(q_path)
     k_path = staticmethod(k_path)
     single_stream = staticmethod(single_stream)
+    q_path_plain = staticmethod(q_path_plain)
+    k_path_plain = staticmethod(k_path_plain)
+    plain_single_stream = staticmethod(plain_single_stream)
 
 
 STEPS = PipelineSteps()
 
 
-def register_single_stream(registry) -> None:
-    def factory() -> Callable:
-        return single_stream
+def fp8_cache_only(problem, target) -> str | None:
+    """The `supports` check of strategies that write the fp8 132-byte pages (``problem.cache`` is the layout)."""
+    layout = problem.get("cache", LAYOUT_PAGED64)
+    return None if layout == LAYOUT_PAGED64 else f"writes the {LAYOUT_PAGED64} cache, not {layout}"
 
+
+def plain_cache_only(problem, target) -> str | None:
+    layout = problem.get("cache", LAYOUT_PAGED64)
+    return None if layout != LAYOUT_PAGED64 else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
+
+
+def register_single_stream(registry) -> None:
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.single_stream", targets=("*",),
-                            priority=0, description="all steps in order on the current stream")(factory)
+                            priority=0, supports=fp8_cache_only,
+                            description="all steps in order on the current stream")(lambda: single_stream)
+    registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.plain_single_stream", targets=("*",),
+                            priority=1, supports=plain_cache_only,  # 1: no tie with single_stream (disjoint anyway)
+                            description="all steps in order, for a bf16 / int8 plain-layout cache"
+                            )(lambda: plain_single_stream)

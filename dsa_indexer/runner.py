@@ -86,7 +86,17 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _device(name: str | None) -> torch.device:
     if not name:
-        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if torch.cuda.is_available():  # CUDA and ROCm builds
+            return torch.device("cuda")
+        from .dispatch.platform import platforms
+
+        for platform in platforms():  # another accelerator a platform sees (an Ascend NPU through torch_npu)
+            if platform.is_accelerator and platform.default_device not in (None, "cuda") and platform.device_visible():
+                try:
+                    return torch.device(platform.default_device)
+                except RuntimeError:  # the device type is not registered with this torch (no real backend loaded)
+                    continue
+        return torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError as exc:
@@ -126,7 +136,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     indexer = Indexer(cfg, device=device, target=target).init_random(settings.seed)
     pages_per_req = -(-(max_len // ratio + 1) // PAGE_SIZE)
     num_pages = (batch + 1) * pages_per_req
-    cache = IndexKCache.allocate(num_pages, device, indexer.fp8_dtype)
+    cache = indexer.allocate_cache(num_pages)  # the layout the target's kernels read
     # A shuffled page assignment, so a kernel that ignores the block table cannot pass.
     block_table = torch.randperm(num_pages, generator=gen).to(torch.int32).view(batch + 1, pages_per_req)
     state = CompressorState.allocate(batch + 1, cfg, device) if ratio > 1 else None
@@ -136,7 +146,12 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
         return torch.randn(n, width, generator=gen).to(device, torch.bfloat16)
 
     def step_inputs(n: int):
-        """x and the normed q_lora with attention's fp8 copy of it, as a model would pass them."""
+        """x and the normed q_lora with attention's fp8 copy of it, as a model would pass them (a plain-layout cache
+        has no fp8 q path: attention there makes no fp8 copy either)."""
+        if cache.is_plain:
+            normed = torch.nn.functional.rms_norm(random_rows(n, cfg.q_lora_rank).float(), (cfg.q_lora_rank,),
+                                                  q_norm.float(), 1e-6)
+            return random_rows(n, cfg.hidden_size), normed.to(torch.bfloat16), None
         q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(random_rows(n, cfg.q_lora_rank), q_norm, 1e-6, target=target)
         return random_rows(n, cfg.hidden_size), q_lora, q_lora_quant
 
@@ -170,7 +185,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
     xp, qp, qp_quant = step_inputs(prefill_new)
     pb = PrefillBatch.build([context], [prefill_new], block_table[batch:], num_cache_pages=num_pages, device=device,
                             compress_ratio=ratio, state_slots=[batch])
-    cache_before_prefill = cache.data.clone() if settings.verify else None
+    cache_before_prefill = cache.clone() if settings.verify else None
     print(f"prefill: {prefill_new} new tokens after a {context}-token prefix ...", flush=True)
     prefill_out = clock.time("prefill", lambda: indexer(xp, qp, pb.positions, pb, cache, q_lora_quant=qp_quant,
                                                         compressor_state=state))
@@ -213,7 +228,7 @@ def _float64_oracle_agreement(indexer, cache, decode_inputs, decode_out, rows: i
     independently of the ops: q = wq_b q_lora, RoPE at the row's position (float64 angles), the orthonormal Hadamard,
     head weights weights_proj(x) / sqrt(H D); logits sum_h w_h relu(q_h . k) over the row's visible keys, read back
     from the cache through the block table (fp8 values x scale); top-k by value, lower index on ties."""
-    from .contract.cache import page_views
+    from .contract.cache import gather_plain_keys, page_views
     from .rope import rope_frequencies
 
     cfg = indexer.config
@@ -225,7 +240,12 @@ def _float64_oracle_agreement(indexer, cache, decode_inputs, decode_out, rows: i
     while hadamard.shape[0] < cfg.head_dim:
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
     hadamard = hadamard / cfg.head_dim ** 0.5
-    keys_fp8, scales = (t.cpu() for t in page_views(cache.data, cache.fp8_dtype))
+    if not cache.is_plain:
+        keys_fp8, scales = (t.cpu() for t in page_views(cache.data, cache.fp8_dtype))
+    else:  # bf16 keys are stored unrotated: no Hadamard on q either (a rotation of both leaves q . k as it is)
+        plain = cache.data.cpu(), cache.scales_or_empty().cpu()
+        if cache.key_format == "bf16":
+            hadamard = torch.eye(cfg.head_dim, dtype=torch.float64)
     wq, w_proj, table = wq.double().cpu(), indexer.weights_proj.weight.double().cpu(), db.block_table.long().cpu()
     agree = total = 0
     for row in picked:
@@ -245,7 +265,10 @@ def _float64_oracle_agreement(indexer, cache, decode_inputs, decode_out, rows: i
         visible = int(db.context_lens.reshape(-1)[row])
         pos = torch.arange(visible)
         pages = table[request][pos // 64]
-        keys = keys_fp8[pages, pos % 64].double() * scales[pages, pos % 64].double()[:, None]
+        if cache.is_plain:
+            keys = gather_plain_keys(plain[0], plain[1], table[request], visible).double()
+        else:
+            keys = keys_fp8[pages, pos % 64].double() * scales[pages, pos % 64].double()[:, None]
         logits = ((q @ keys.T).clamp_min(0) * w[:, None]).sum(dim=0)
         order = sorted(range(visible), key=lambda j: (-logits[j].item(), j))[:cfg.topk]
         got = {i for i in decode_out[row].tolist() if i >= 0}
@@ -261,10 +284,11 @@ def _verify(indexer, cache, cache_before_prefill, state_before_step, decode_inpu
     forced = [op for op in OPS] + [PIPELINE_OP]
     x, q_lora, q_lora_quant, db = decode_inputs
     xp, qp, qp_quant, pb = prefill_inputs
-    ref_cache = IndexKCache(cache_before_prefill.clone(), cache.fp8_dtype)
+    ref_cache = cache_before_prefill.clone()
+    single = "single_stream" if not cache.is_plain else "plain_single_stream"
     try:
         for op in forced:
-            impl = f"{op}.reference.torch" if op != PIPELINE_OP else f"{op}.generic.single_stream"
+            impl = f"{op}.reference.torch" if op != PIPELINE_OP else f"{op}.generic.{single}"
             registry.force(op, impl)
         # The decode step's own keys are already in the cache; the reference stores them again (its own bytes).
         # The C4 state replays from before the last decode step; that step leaves it as the prefill found it.

@@ -28,7 +28,6 @@ import torch
 
 from dsa_indexer.backends import npu as npu_backend
 from dsa_indexer.backends import rocm as rocm_backend
-from dsa_indexer.backends.npu import lightning as npu_lightning
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.backends.rocm import aiter_api
 from dsa_indexer.backends.rocm import logits as rocm_logits
@@ -260,12 +259,16 @@ def test_detected_api_decides_availability(registry, monkeypatch):
 
 # --- resolution: npu -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("torch_npu", [True, False])
-def test_npu_resolves_every_op_to_the_reference_with_reasons(registry, torch_npu):
+def test_npu_resolves_the_fp8_ops_to_the_reference_with_reasons(registry, torch_npu):
+    """The fp8 ops (the 132-byte pages) have no torch_npu kernel: reference (or the generic composition), each
+    accelerated candidate saying why, and a fallback. The plain-layout ops: tests/test_npu_backend.py."""
     env = Environment.simulated(gpu=True, triton=True, torch_npu=torch_npu, aiter=True)
-    for op in registry.ops():
+    plain = {"q_prologue_plain", "k_prologue_store_plain", "lightning_indexer_ragged", "indexer_pipeline"}
+    for op in sorted(set(registry.ops()) - plain):
         res = registry.resolve(op, NPU, Problem(), environment=env)
         assert res.chosen is not None and res.chosen.vendor in ("reference", "generic"), op
-        assert not [c for c in res.candidates if c.impl.vendor == "npu"]
+        assert not [c for c in res.candidates if c.impl.vendor == "npu"], op
+        assert op in npu_backend.UNREGISTERED, op  # each says why
         for cand in res.candidates:
             if cand.impl.vendor in ("triton", "rocm", "cuda"):
                 assert cand.reason.startswith("serves ") and cand.reason.endswith("not npu")
@@ -361,7 +364,13 @@ def test_torch_npu_probe_returns_reasons(monkeypatch):
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=broken), raising=False)
     assert "is_available() failed (RuntimeError: drv error)" in npu_backend.torch_npu_probe()
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)
+    assert npu_backend.torch_npu_probe() == "torch_npu ? has neither npu_lightning_indexer nor npu_quant_lightning_indexer"
+    module = types.ModuleType("torch_npu")
+    module.npu_lightning_indexer = lambda query, key, weights, *, sparse_count=2048: None
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(npu_backend.LIBRARY, "detected", None)
     assert npu_backend.torch_npu_probe() is None
+    assert npu_backend.LIBRARY.detected_api().indexer_count == "sparse_count"
 
 
 # --- fake aiter ------------------------------------------------------------------------------------------------------
@@ -693,109 +702,6 @@ def test_fused_rms_quant_adapter_refuses_fnuz_and_bad_input(monkeypatch):
         rocm_backend.aiter_fused_rms_fp8_group_quant(x[:, :200], w[:200], fp8_dtype=torch.float8_e4m3fn)
     with pytest.raises(IndexerInputError, match="eps"):
         rocm_backend.aiter_fused_rms_fp8_group_quant(x, w, 0.0, fp8_dtype=torch.float8_e4m3fn)
-
-
-# --- NPU adapter -----------------------------------------------------------------------------------------------------
-def _install_fake_torch_npu(monkeypatch, tuple_result=True):
-    """A fake torch_npu whose npu_lightning_indexer records its arguments and computes the documented result
-    (sparse_mode 3 causal mask, request-local top-k, -1 padded) with the reference top-k."""
-    mod = types.ModuleType("torch_npu")
-    mod.calls = []
-
-    def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
-                              layout_query, layout_key, sparse_count, sparse_mode):
-        mod.calls.append(dict(query=query, key=key, weights=weights, actual_seq_lengths_query=actual_seq_lengths_query,
-                              actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
-                              layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
-                              sparse_mode=sparse_mode))
-        t, bs = query.shape[0], key.shape[1]
-        out = torch.full((t, 1, sparse_count), -1, dtype=torch.int32)
-        start = 0
-        for b, end in enumerate(actual_seq_lengths_query.tolist()):
-            n, length = end - start, int(actual_seq_lengths_key[b])
-            if n:
-                pages = block_table[b, : -(-length // bs)].long()
-                keys = key[pages].reshape(-1, key.shape[-1])[:length].float()
-                scores = torch.einsum("thd,sd->ths", query[start:end].float(), keys).clamp_min(0)
-                logits = torch.einsum("ths,th->ts", scores, weights[start:end].float())
-                ends = (length - n + torch.arange(n) + 1).clamp_min(0).to(torch.int32)
-                out[start:end, 0] = ref.topk_indices(logits, sparse_count, ends)
-            start = end
-        return (out, None) if tuple_result else out
-
-    mod.npu_lightning_indexer = npu_lightning_indexer
-    monkeypatch.setitem(sys.modules, "torch_npu", mod)
-    return mod
-
-
-def _npu_inputs(q_lens, k_lens, block_size=128, seed=6):
-    gen = torch.Generator().manual_seed(seed)
-    t = sum(q_lens)
-    q = torch.randn(t, 64, 128, generator=gen).to(torch.bfloat16)
-    max_blocks = max(-(-k // block_size) for k in k_lens)
-    blocks = len(k_lens) * max_blocks + 3
-    cache = torch.randn(blocks, block_size, 1, 128, generator=gen).to(torch.bfloat16)
-    table = torch.randperm(blocks, generator=gen)[: len(k_lens) * max_blocks].reshape(len(k_lens), max_blocks)
-    weights = torch.randn(t, 64, generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
-    return q, cache, weights, cu, torch.tensor(k_lens, dtype=torch.int32), table.to(torch.int32)
-
-
-def _npu_expected(q, cache, weights, cu, k_lens, table, k):
-    """Per token, straight from the contract: logits over the request's visible keys, reference top-k."""
-    rows = []
-    for b in range(k_lens.numel()):
-        start, end, length = int(cu[b]), int(cu[b + 1]), int(k_lens[b])
-        keys = cache[table[b].long()].reshape(-1, 128)[:length].float()
-        for i in range(end - start):
-            visible = length - (end - start) + i + 1
-            logits = torch.full((1, max(length, 1)), float("-inf"))
-            wt = weights[start + i].to(torch.bfloat16).float()
-            logits[0, :length] = (torch.relu(q[start + i].float() @ keys.T) * wt[:, None]).sum(0)
-            rows.append(ref.topk_indices(logits, k, torch.tensor([visible], dtype=torch.int32)))
-    return torch.cat(rows)
-
-
-@pytest.mark.parametrize("tuple_result", [True, False])
-def test_npu_adapter_calls_torch_npu_with_the_documented_arguments(monkeypatch, tuple_result):
-    fake = _install_fake_torch_npu(monkeypatch, tuple_result)
-    q, cache, weights, cu, k_lens, table = _npu_inputs([3, 1, 5], [300, 40, 129])
-    out = npu_lightning.npu_lightning_indexer_bf16(q, cache, weights, cu, k_lens, table, 64)
-    assert out.shape == (9, 64) and out.dtype == torch.int32
-    _same_sets(out, _npu_expected(q, cache, weights, cu, k_lens, table, 64))
-    call, = fake.calls
-    fixed = (call["layout_query"], call["layout_key"], call["sparse_count"], call["sparse_mode"])
-    assert fixed == ("TND", "PA_BSND", 64, 3)
-    assert torch.equal(call["actual_seq_lengths_query"], torch.tensor([3, 4, 9], dtype=torch.int32))
-    assert torch.equal(call["actual_seq_lengths_key"], k_lens)
-    assert call["weights"].dtype == torch.bfloat16 and call["query"] is q and call["key"] is cache
-    assert call["block_table"].dtype == torch.int32
-    assert bool((out[3:4, 40:] == -1).all())  # the 40-key request's token sees 40 keys: the rest is padding
-
-
-@pytest.mark.parametrize("bad, words", [
-    (dict(q=torch.zeros(2, 32, 128, dtype=torch.bfloat16)), "q_bf16 must be [T, 64, 128]"),
-    (dict(cache=torch.zeros(4, 24, 1, 128, dtype=torch.bfloat16)), "block size 24"),
-    (dict(k=4096), "k must be an int in [1, 2048]"),
-    (dict(cu=torch.tensor([1, 2], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
-    (dict(cache=torch.zeros(4, 128, 1, 128, dtype=torch.float16)), "key_cache_bf16 must have dtype bfloat16"),
-])
-def test_npu_adapter_rejects_bad_input_by_name(monkeypatch, bad, words):
-    _install_fake_torch_npu(monkeypatch)
-    q, cache, weights, cu, k_lens, table = _npu_inputs([2], [50])
-    args = dict(q=q, cache=cache, weights=weights, cu=cu, k_lens=k_lens, table=table, k=16)
-    args.update(bad)
-    if args["q"].shape[0] != weights.shape[0]:
-        args["weights"] = torch.zeros(args["q"].shape[0], 64)
-    with pytest.raises(IndexerInputError) as info:
-        npu_lightning.npu_lightning_indexer_bf16(args["q"], args["cache"], args["weights"], args["cu"],
-                                                 args["k_lens"], args["table"], args["k"])
-    assert words in str(info.value)
-
-
-def test_npu_adapter_signature_is_the_documented_one():
-    params = list(inspect.signature(npu_lightning.npu_lightning_indexer_bf16).parameters)
-    assert params == ["q_bf16", "key_cache_bf16", "weights", "cu_seqlens_q", "seq_lens_k", "block_table", "k"]
 
 
 def test_old_aiter_page_size_one_paged_kernel_is_not_adapted(monkeypatch):

@@ -32,6 +32,9 @@ def _cases():
     q, kv, w, lens, table, width = _paged_inputs()
     logits = torch.randn(3, 50)
     a = torch.randn(t, 256).to(FP8)
+    int8_cache = IndexKCache.allocate(2, layout="paged64_int8")
+    bf16_cache = IndexKCache.allocate(2, layout="paged64_bf16")
+    bf16_cache.data.copy_(torch.randn(bf16_cache.data.shape))
     return {
         "quant_fp8_groups": (x, 128, False, FP8),
         "rmsnorm_quant_fp8": (x, torch.randn(256, dtype=torch.bfloat16), 1e-6, 128, False, FP8),
@@ -51,6 +54,15 @@ def _cases():
         "c4_compress_pool": (torch.randn(t, 512), torch.randn(3, 8, 512), torch.randn(4, 256), torch.arange(t) + 3,
                              torch.zeros(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int64),
                              torch.tensor([0, 4])),
+        "q_prologue_plain": (torch.randn(t, h, 128, dtype=torch.bfloat16), torch.arange(t), cos_sin,
+                             torch.randn(t, h), 0.01, 0, False, "int8"),
+        "k_prologue_store_plain": (torch.randn(t, 128, dtype=torch.bfloat16), torch.randn(128), torch.randn(128), 1e-6,
+                                   torch.arange(t), cos_sin, int8_cache.data, int8_cache.scales, slots, 0, False,
+                                   "layernorm", "int8"),
+        "lightning_indexer_ragged": (torch.randn(6, 64, 128, dtype=torch.bfloat16), torch.empty(0, dtype=torch.float16),
+                                     bf16_cache.data, torch.empty(0, dtype=torch.float16), torch.randn(6, 64),
+                                     torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([80, 120], dtype=torch.int32),
+                                     torch.tensor([[1, 0], [0, 1]], dtype=torch.int32), 16, 1),
     }
 
 

@@ -4,7 +4,16 @@ Layout ``paged64_fp8_e4m3`` (what DeepGEMM's and aiter's paged kernels read): on
 64 x 128 fp8 bytes (token-major) followed by 64 fp32 scales = 8448 bytes, 132 bytes per token.
 Scales are not interleaved per token. Slot ``s`` lives at page ``s // 64``, row ``s % 64``.
 Kernels take the uint8 view ``[num_pages, 64, 1, 132]`` (same bytes, reinterpreted).
-The layout tag lets other layouts (page size 1, aiter's preshuffled tiles) be added beside this one.
+The layout tag lets other layouts be added beside this one. Two more are defined, for kernels that take a plain
+paged key tensor ``[num_pages, 64, 1, 128]`` (torch_npu's ``PA_BSND`` layout, block size 64) instead of the
+132-byte pages:
+
+* ``paged64_bf16``: bf16 keys, no scales (RoPE'd, not rotated by the Hadamard: a rotation of both q and k does not
+  change a dot product, and without fp8 there is nothing for it to spread).
+* ``paged64_int8``: int8 keys (Hadamard-rotated, one symmetric scale per key) plus the fp16 scales
+  ``[num_pages, 64, 1]``.
+
+The ops that write and read these are ``k_prologue_store_plain`` and ``lightning_indexer_ragged``.
 """
 
 from __future__ import annotations
@@ -19,6 +28,11 @@ SCALE_BYTES = 4
 BYTES_PER_TOKEN = HEAD_DIM + SCALE_BYTES  # 132
 PAGE_BYTES = PAGE_SIZE * BYTES_PER_TOKEN  # 8448
 LAYOUT_PAGED64 = "paged64_fp8_e4m3"
+LAYOUT_PAGED64_BF16 = "paged64_bf16"
+LAYOUT_PAGED64_INT8 = "paged64_int8"
+# The key format each plain layout stores (the problem fact ``format`` of the plain-layout ops).
+PLAIN_LAYOUT_FORMATS = {LAYOUT_PAGED64_BF16: "bf16", LAYOUT_PAGED64_INT8: "int8"}
+LAYOUTS = (LAYOUT_PAGED64, *PLAIN_LAYOUT_FORMATS)
 
 
 def check_kv_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
@@ -31,6 +45,25 @@ def check_kv_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
         raise ValueError(f"{name} must have shape [num_pages, {PAGE_SIZE}, 1, {BYTES_PER_TOKEN}], got {list(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise ValueError(f"{name} must be contiguous (pages are {PAGE_BYTES} consecutive bytes)")
+
+
+def check_plain_cache(data: torch.Tensor, scales: torch.Tensor | None, layout: str, name: str = "key_cache") -> None:
+    """Raise a clear error unless ``data`` (and ``scales``) are the plain paged tensors of ``layout``."""
+    fmt = PLAIN_LAYOUT_FORMATS[layout]
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.int8
+    if not isinstance(data, torch.Tensor) or data.dtype != dtype:
+        got = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
+        raise TypeError(f"{name} of layout {layout} must be a {dtype} tensor, got {got}")
+    if data.dim() != 4 or tuple(data.shape[1:]) != (PAGE_SIZE, 1, HEAD_DIM) or not data.is_contiguous():
+        raise ValueError(f"{name} of layout {layout} must be a contiguous [num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}] "
+                         f"tensor, got {list(data.shape)}")
+    if fmt == "int8":
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float16 or \
+                tuple(scales.shape) != (data.shape[0], PAGE_SIZE, 1) or scales.device != data.device:
+            raise ValueError(f"{name} of layout {layout} needs fp16 scales [{data.shape[0]}, {PAGE_SIZE}, 1] on "
+                             f"{data.device}, got {None if scales is None else (scales.dtype, list(scales.shape))}")
+    elif scales is not None and scales.numel():
+        raise ValueError(f"layout {layout} has no key scales: scales must be None or empty")
 
 
 def page_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +91,28 @@ def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dt
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
 
 
+def store_plain_rows(key_cache: torch.Tensor, key_scales: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                     scales: torch.Tensor | None = None) -> None:
+    """Write ``keys[i]`` (and ``scales[i]`` for int8) into slot ``slots[i]`` of a plain ``[pages, 64, 1, 128]``
+    cache; slots < 0 (padding tokens) are skipped."""
+    keep = slots >= 0
+    rows = slots[keep].long()
+    key_cache.view(-1, key_cache.shape[-1])[rows] = keys[keep].to(key_cache.dtype)
+    if scales is not None:
+        key_scales.view(-1)[rows] = scales.reshape(-1)[keep].to(key_scales.dtype)
+
+
+def gather_plain_keys(key_cache: torch.Tensor, key_scales: torch.Tensor, block_table_row: torch.Tensor,
+                      count: int) -> torch.Tensor:
+    """The first ``count`` keys of one request (its block-table row) from a plain cache, dequantized to fp32."""
+    pos = torch.arange(count, device=key_cache.device)
+    slots = block_table_row.long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+    keys = key_cache.view(-1, key_cache.shape[-1])[slots].float()
+    if key_cache.dtype == torch.int8:
+        keys = keys * key_scales.view(-1)[slots].float()[:, None]
+    return keys
+
+
 def indices_to_slots(indices: torch.Tensor, block_table: torch.Tensor, row_request: torch.Tensor) -> torch.Tensor:
     """Request-local positions -> physical cache slots ``block_table[req, pos // 64] * 64 + pos % 64``; -1 stays.
     Part of the cache contract: every backend that returns slots computes exactly this."""
@@ -80,26 +135,60 @@ def _check_fp8(fp8_dtype: torch.dtype) -> None:
 
 @dataclass
 class IndexKCache:
-    """One layer's index-K cache. The library owns its allocation and its layout tag."""
+    """One layer's index-K cache. The library owns its allocation and its layout tag (`LAYOUTS`)."""
 
-    data: torch.Tensor  # uint8 [num_pages, 64, 1, 132]
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    data: torch.Tensor  # paged64_fp8_e4m3: uint8 [num_pages, 64, 1, 132]; plain layouts: [num_pages, 64, 1, 128]
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn  # the fp8 flavour of the fp8 layout (unused by the plain ones)
     layout: str = LAYOUT_PAGED64
+    scales: torch.Tensor | None = None  # paged64_int8: fp16 [num_pages, 64, 1]; None otherwise
 
     @classmethod
     def allocate(cls, num_pages: int, device: torch.device | str = "cpu",
-                 fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> "IndexKCache":
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn, layout: str = LAYOUT_PAGED64) -> "IndexKCache":
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         _check_fp8(fp8_dtype)
-        data = torch.zeros(num_pages, PAGE_SIZE, 1, BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
-        return cls(data, fp8_dtype)
+        if layout == LAYOUT_PAGED64:
+            data = torch.zeros(num_pages, PAGE_SIZE, 1, BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
+            return cls(data, fp8_dtype)
+        if layout == LAYOUT_PAGED64_BF16:
+            return cls(torch.zeros(num_pages, PAGE_SIZE, 1, HEAD_DIM, dtype=torch.bfloat16, device=device),
+                       fp8_dtype, layout)
+        if layout == LAYOUT_PAGED64_INT8:
+            return cls(torch.zeros(num_pages, PAGE_SIZE, 1, HEAD_DIM, dtype=torch.int8, device=device), fp8_dtype,
+                       layout, torch.zeros(num_pages, PAGE_SIZE, 1, dtype=torch.float16, device=device))
+        raise ValueError(f"layout {layout!r} is not supported; supported: {', '.join(LAYOUTS)}")
 
     def __post_init__(self) -> None:
-        check_kv_cache(self.data, "IndexKCache.data")
         _check_fp8(self.fp8_dtype)
-        if self.layout != LAYOUT_PAGED64:
-            raise ValueError(f"layout {self.layout!r} is not supported; supported: {LAYOUT_PAGED64}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        if self.layout == LAYOUT_PAGED64:
+            check_kv_cache(self.data, "IndexKCache.data")
+            if self.scales is not None:
+                raise ValueError(f"layout {LAYOUT_PAGED64} keeps its scales inside the pages: scales must be None")
+            return
+        check_plain_cache(self.data, self.scales, self.layout)
+
+    def clone(self) -> "IndexKCache":
+        """A copy of the keys (and scales) in the same layout."""
+        return IndexKCache(self.data.clone(), self.fp8_dtype, self.layout,
+                           None if self.scales is None else self.scales.clone())
+
+    @property
+    def key_format(self) -> str:
+        """``"fp8"`` (the 132-byte pages), ``"bf16"`` or ``"int8"`` (the plain layouts)."""
+        return PLAIN_LAYOUT_FORMATS.get(self.layout, "fp8")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.layout in PLAIN_LAYOUT_FORMATS
+
+    def scales_or_empty(self) -> torch.Tensor:
+        """The int8 layout's scales, or an empty fp16 tensor (what the plain-layout ops take for bf16 keys)."""
+        if self.scales is not None:
+            return self.scales
+        return self.data.new_empty(0, dtype=torch.float16)
 
     @property
     def num_pages(self) -> int:
@@ -119,6 +208,9 @@ class IndexKCache:
         return self.data
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.is_plain:
+            raise ValueError(f"gather reads the {LAYOUT_PAGED64} layout; a {self.layout} cache is read in place by "
+                             "lightning_indexer_ragged")
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
             raise ValueError(f"slots must lie in [0, {self.capacity}), got range "
                              f"[{int(slots.min())}, {int(slots.max())}]")

@@ -27,6 +27,11 @@ PROBLEM_KEYS: dict[str, tuple[str, ...]] = {
     "topk_indices": ('k', 'slots', 'starts'),
     "lightning_indexer": ('heads', 'dim', 'next_n', 'k', 'fp8', 'slots'),
     "c4_compress_pool": ('dim', 'window'),
+    # The plain paged layouts (contract/cache.py: paged64_bf16, paged64_int8), read by fused indexers such as
+    # torch_npu's: ``format`` is the key format ("bf16" or "int8"), ``ratio`` the key compression (1, or 4 for C4).
+    "q_prologue_plain": ('heads', 'dim', 'rope_dim', 'interleaved', 'format'),
+    "k_prologue_store_plain": ('dim', 'rope_dim', 'interleaved', 'norm', 'format'),
+    "lightning_indexer_ragged": ('heads', 'dim', 'k', 'format', 'ratio'),
 }
 
 
@@ -75,6 +80,24 @@ def _fake_c4_compress_pool(proj, state, ape, positions, row_request, state_slot,
     return proj.new_empty((rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16)
 
 
+def _fake_q_prologue_plain(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, key_format,
+                           target=None):
+    if key_format == "int8":
+        return (torch.empty_like(q, dtype=torch.int8), q.new_empty(q.shape[:2], dtype=torch.float16),
+                q.new_empty(q.shape[:2], dtype=torch.float32))
+    return torch.empty_like(q), q.new_empty(0, dtype=torch.float16), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _fake_k_prologue_store_plain(k, norm_weight, norm_bias, eps, positions, cos_sin, key_cache, key_scales,
+                                 slot_mapping, rope_offset, interleaved, norm, key_format, target=None):
+    return None
+
+
+def _fake_lightning_indexer_ragged(q, q_scales, key_cache, key_scales, weights, cu_seqlens_q, seq_lens_k,
+                                   block_table, k, compress_ratio, target=None):
+    return q.new_empty((q.shape[0], k), dtype=torch.int32)
+
+
 @dataclass(frozen=True)
 class OpSpec:
     name: str
@@ -97,4 +120,9 @@ SPECS: dict[str, OpSpec] = {
     "lightning_indexer": OpSpec("lightning_indexer", PROBLEM_KEYS["lightning_indexer"], (), _fake_lightning_indexer),
     "c4_compress_pool": OpSpec("c4_compress_pool", PROBLEM_KEYS["c4_compress_pool"], ("state",),
                              _fake_c4_compress_pool),
+    "q_prologue_plain": OpSpec("q_prologue_plain", PROBLEM_KEYS["q_prologue_plain"], (), _fake_q_prologue_plain),
+    "k_prologue_store_plain": OpSpec("k_prologue_store_plain", PROBLEM_KEYS["k_prologue_store_plain"],
+                                     ("key_cache", "key_scales"), _fake_k_prologue_store_plain),
+    "lightning_indexer_ragged": OpSpec("lightning_indexer_ragged", PROBLEM_KEYS["lightning_indexer_ragged"], (),
+                                       _fake_lightning_indexer_ragged),
 }

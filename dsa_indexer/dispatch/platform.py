@@ -44,9 +44,14 @@ class Platform:
     reuse_unrounded_quant: bool = False
     libraries: Mapping[str, str] = field(default_factory=dict)  # fact -> module: installed but failing warns once
     distributions: tuple[str, ...] = ()  # the vendor's Python packages whose versions `dsa-indexer info` shows
+    # compress ratio -> the index-K cache layout `Indexer.allocate_cache` picks (default: the fp8 132-byte pages)
+    cache_layouts: Mapping[int, str] = field(default_factory=dict)
 
     def fp8_dtype(self, arch: str) -> torch.dtype:
         return self.fp8_dtypes.get(arch, torch.float8_e4m3fn)
+
+    def cache_layout(self, compress_ratio: int) -> str:
+        return self.cache_layouts.get(compress_ratio, "paged64_fp8_e4m3")
 
 
 _PLATFORMS: dict[str, Platform] = {}

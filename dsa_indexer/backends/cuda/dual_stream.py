@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from ...contract.cache import LAYOUT_PAGED64
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
 from ...ops import PIPELINE_OP
@@ -90,6 +91,9 @@ def max_tokens() -> int | str:
 
 
 def supports(problem: Problem, target: Target) -> str | None:
+    layout = problem.get("cache", LAYOUT_PAGED64)
+    if layout != LAYOUT_PAGED64:
+        return f"writes the {LAYOUT_PAGED64} cache, not {layout}"
     if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return f"disabled by {ENABLE_ENV}=0"
     limit = max_tokens()

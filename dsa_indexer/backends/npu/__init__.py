@@ -1,14 +1,23 @@
-"""The Ascend backend: the probe of the environment fact ``torch_npu``, and no op implementations (yet).
+"""The Ascend backend: torch_npu's fused lightning indexers over the plain cache layouts.
 
-torch_npu's indexer kernel, ``npu_lightning_indexer``, takes bf16 queries and a bf16 paged key cache
-``[blocks, block_size, 1, 128]``; every op of this library takes fp8 operands and the fp8 132-byte cache (and
-torch_npu has no fp8 path for them), so no op signature here can be met by a torch_npu kernel and none is
-registered: resolution on target ``npu`` picks the pure-torch reference (which runs on NPU tensors) and says why
-(the Triton kernels do not serve ``npu``). `lightning.npu_lightning_indexer_bf16` wraps the NPU kernel for callers
-with a bf16 key cache; docs/backends-amd-npu.md says what registering it would take.
+torch_npu's indexer kernels take bf16 (or int8 + scale) keys in a plain paged tensor ``[blocks, 64, 1, 128]``, not
+the fp8 132-byte pages the other backends read, so this backend serves the ops of the plain layouts
+(``contract/cache.py``: ``paged64_bf16`` for V3.2, ``paged64_int8`` for V4's C4 indexer), which `Indexer` uses when
+its cache has such a layout (`Indexer.allocate_cache` picks it on target ``npu``):
 
-The probe replaces the default "is it installed" check: torch_npu must import (inside a try: it needs the CANN
-toolkit) and ``torch.npu.is_available()`` must hold. On other machines it returns the reason.
+* ``lightning_indexer_ragged.npu.torch_npu`` (200): ``npu_lightning_indexer`` (bf16) / ``npu_quant_lightning_indexer``
+  (int8, ``cmp_ratio`` 4 for C4, with its metadata op where the build has one), for decode, speculative decode and
+  prefill alike (`lightning.py`).
+* ``q_prologue_plain.npu.torch_npu`` and ``k_prologue_store_plain.npu.torch_npu`` (200): RoPE by ``npu_rotary_mul``,
+  int8 by ``npu_dynamic_quant``, the store by ``npu_scatter_nd_update_`` (`prologue.py`).
+* ``indexer_pipeline.npu.two_stream`` (100): the k path on a side NPU stream (`pipeline.py`).
+
+The fp8 ops are not registered (``UNREGISTERED`` says why), so an fp8-layout cache on npu resolves to the reference,
+which strict mode refuses; so does V4's compressor pooling (``c4_compress_pool``), which has no torch_npu kernel.
+Everything here is tested against a torch_npu test double on the CPU (tests/npu_double.py), never on Ascend hardware.
+
+The probe: torch_npu must import (inside a try: it needs the CANN toolkit) and ``torch.npu.is_available()`` must hold;
+feature detection (`api.detect`) finds which kernels and keywords this build has.
 """
 
 from __future__ import annotations
@@ -16,26 +25,32 @@ from __future__ import annotations
 import torch
 
 from ...dispatch.plugins import hookimpl
+from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
+from ...dispatch.target import Target
 from ...dispatch.vendor import VendorLibrary
-from .lightning import npu_lightning_indexer_bf16
+from ...ops import PIPELINE_OP
+from . import api as npu_api
 
-__all__ = ["UNREGISTERED", "npu_lightning_indexer_bf16", "torch_npu_probe"]
+__all__ = ["LIBRARY", "MAX_K", "NPU_PRIORITY", "UNREGISTERED", "torch_npu_probe"]
 
 INSTALL_HINT = "pip install 'dsa-indexer[npu]' (torch-npu) with the CANN toolkit"
+NPU_PRIORITY = 200
+PIPELINE_PRIORITY = 100
+HEADS, HEAD_DIM, MAX_K = 64, 128, 2048  # what torch_npu's indexer kernels take (query heads, dim, sparse_count)
 
 UNREGISTERED = {
-    "lightning_indexer": "torch_npu.npu_lightning_indexer takes bf16 q and a bf16 [blocks, block_size, 1, 128] key "
-                         "cache; this op takes fp8 q and the fp8 132-byte cache (npu_lightning_indexer_bf16 wraps "
-                         "the kernel for bf16 callers)",
-    "paged_mqa_logits": "no torch_npu kernel returns the logits themselves for an fp8 cache",
-    "ragged_mqa_logits": "no torch_npu kernel for fp8 ragged logits",
+    "lightning_indexer": "reads the fp8 132-byte pages; torch_npu's indexers read the plain layouts "
+                         "(lightning_indexer_ragged.npu.torch_npu serves those)",
+    "paged_mqa_logits": "no torch_npu kernel returns the logits themselves (its indexers fuse the top-k)",
+    "ragged_mqa_logits": "as paged_mqa_logits",
     "topk_indices": "torch.topk runs on NPU tensors already: the reference implementation is the NPU path",
     "quant_fp8_groups": "torch_npu has no e4m3 fp8 quant matching this recipe (its dynamic quant is int8)",
     "rmsnorm_quant_fp8": "as quant_fp8_groups",
-    "q_prologue": "fp8 output; see quant_fp8_groups",
-    "k_prologue_store": "writes the fp8 cache; see quant_fp8_groups",
-    "gemm_fp8_blockscale": "no e4m3 block-scaled GEMM in torch_npu for these operands",
+    "q_prologue": "fp8 output; see quant_fp8_groups (q_prologue_plain.npu.torch_npu serves the plain layouts)",
+    "k_prologue_store": "writes the fp8 cache; k_prologue_store_plain.npu.torch_npu writes the plain layouts",
+    "gemm_fp8_blockscale": "no e4m3 block-scaled GEMM in torch_npu; the plain layouts' q path runs wq_b in bf16",
+    "c4_compress_pool": "the reference pooling runs on NPU tensors; no torch_npu kernel matches V4's compressor",
 }
 
 
@@ -48,16 +63,133 @@ def _npu_visible(module) -> str | None:
     return None if available else "torch_npu imported but torch.npu.is_available() is False (no NPU visible)"
 
 
-# The shared vendor-library probe (dispatch/vendor.py): no API detection or self-test yet (nothing is registered).
+def _usable(api: npu_api.NpuApi) -> str | None:
+    if api.indexer is None and api.quant_indexer is None:
+        return f"{api.describe()} has neither {npu_api.INDEXER} nor {npu_api.QUANT_INDEXER}"
+    return None
+
+
+# The shared vendor-library probe (dispatch/vendor.py); no self-test: it would need an NPU to compare on.
 LIBRARY = VendorLibrary(module="torch_npu", install_hint=INSTALL_HINT, after_import=_npu_visible,
+                        detect=lambda module: npu_api.detect(module), usable=lambda api: _usable(api),
+                        describe=lambda api: api.describe(),
                         catch_base_exceptions=True)  # a missing CANN toolkit must not take the host down
 
 
 def torch_npu_probe() -> str | None:
-    """None when torch_npu imports and an NPU is visible; else the reason. Never raises."""
+    """None when torch_npu imports, an NPU is visible and it has an indexer kernel; else the reason. Never raises."""
     return LIBRARY.probe()
+
+
+def detected_api() -> npu_api.NpuApi:
+    """The probed API; raises if the probe did not find one (the registry calls these only after it passed)."""
+    api = LIBRARY.detected_api()
+    if api is None:
+        raise RuntimeError("torch_npu was not probed in this process (or the probe failed): run "
+                           "`dsa-indexer explain --target npu` to see why")
+    return api
+
+
+def _indexer_supports(problem: Problem, target: Target) -> str | None:
+    heads, dim, k = problem.get("heads"), problem.get("dim"), problem.get("k")
+    if heads not in (None, HEADS):
+        return f"heads={heads}: torch_npu's indexers take {HEADS} query heads"
+    if dim not in (None, HEAD_DIM):
+        return f"head dim {dim}: torch_npu's indexers take {HEAD_DIM}"
+    if k is not None and not 1 <= k <= MAX_K:
+        return f"k={k}: torch_npu's sparse_count is 1..{MAX_K}"
+    return None
+
+
+def _indexer_api_supports(problem: Problem, target: Target) -> str | None:
+    reason = _indexer_supports(problem, target)
+    if reason:
+        return reason
+    api = LIBRARY.detected_api()
+    if api is None:  # not probed (a simulated environment): assume the documented current API
+        return None
+    fmt, ratio = problem.get("format"), problem.get("ratio")
+    if fmt == "bf16":
+        if api.indexer is None:
+            return f"{api.describe()} has no {npu_api.INDEXER} (bf16 keys)"
+        if ratio not in (None, 1) and not api.indexer_cmp_ratio:
+            return f"{api.describe()}'s {npu_api.INDEXER} takes no cmp_ratio (compressed keys, ratio {ratio})"
+    if fmt == "int8":
+        if api.quant_indexer is None:
+            return f"{api.describe()} has no {npu_api.QUANT_INDEXER} (int8 keys)"
+        if ratio not in (None, 1) and not api.quant_cmp_ratio:
+            return f"{api.describe()}'s {npu_api.QUANT_INDEXER} takes no cmp_ratio (compressed keys, ratio {ratio})"
+    return None
+
+
+def _prologue_supports(store: bool):
+    def check(problem: Problem, target: Target) -> str | None:
+        if problem.get("dim") not in (None, HEAD_DIM):
+            return f"head dim {problem.get('dim')}: the plain layouts hold {HEAD_DIM}"
+        api = LIBRARY.detected_api()
+        if api is None:  # not probed (a simulated environment): assume the documented current API
+            return None
+        needed = [(api.rotary, npu_api.ROTARY)]
+        if store:
+            needed.append((api.scatter, npu_api.SCATTER))
+        if problem.get("format") == "int8":
+            needed.append((api.dynamic_quant, npu_api.DYNAMIC_QUANT))
+        missing = [name for fn, name in needed if fn is None]
+        if missing:
+            return f"{api.describe()} has no {', '.join(missing)}"
+        if problem.get("interleaved") and not api.rotary_interleave:
+            return f"{api.describe()}'s {npu_api.ROTARY} takes no rotary_mode (interleaved pairs: V4's RoPE)"
+        return None
+
+    return check
+
+
+def _plain_cache_only(problem: Problem, target: Target) -> str | None:
+    layout = problem.get("cache")
+    if layout in (None, "paged64_bf16", "paged64_int8"):
+        return None
+    return f"serves the plain layouts torch_npu's indexers read (paged64_bf16 / paged64_int8), not {layout}"
 
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     registry.add_probe("torch_npu", torch_npu_probe)  # a simulated environment keeps its fixed facts
+    requires = ("torch_npu",)
+
+    def indexer_factory():
+        from .lightning import make_lightning_indexer_ragged
+
+        return make_lightning_indexer_ragged(detected_api)
+
+    def store_factory():
+        from .prologue import make_k_prologue_store_plain
+
+        return make_k_prologue_store_plain(detected_api)
+
+    def q_factory():
+        from .prologue import make_q_prologue_plain
+
+        return make_q_prologue_plain(detected_api)
+
+    def pipeline_factory():
+        from .pipeline import make_two_stream
+
+        return make_two_stream()
+
+    registry.implementation("lightning_indexer_ragged", impl_id="lightning_indexer_ragged.npu.torch_npu",
+                            targets=("npu",), priority=NPU_PRIORITY, requires=requires,
+                            supports=_indexer_api_supports,
+                            description="torch_npu npu_lightning_indexer (bf16) / npu_quant_lightning_indexer (int8)"
+                            )(indexer_factory)
+    registry.implementation("k_prologue_store_plain", impl_id="k_prologue_store_plain.npu.torch_npu",
+                            targets=("npu",), priority=NPU_PRIORITY, requires=requires,
+                            supports=_prologue_supports(store=True),
+                            description="RoPE by npu_rotary_mul (+ int8 by npu_dynamic_quant), npu_scatter_nd_update_"
+                            )(store_factory)
+    registry.implementation("q_prologue_plain", impl_id="q_prologue_plain.npu.torch_npu", targets=("npu",),
+                            priority=NPU_PRIORITY, requires=requires, supports=_prologue_supports(store=False),
+                            description="RoPE by npu_rotary_mul (+ Hadamard, int8 by npu_dynamic_quant)")(q_factory)
+    registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.npu.two_stream", targets=("npu",),
+                            priority=PIPELINE_PRIORITY, requires=requires, supports=_plain_cache_only,
+                            description="k path on a side NPU stream, q path on the current one"
+                            )(pipeline_factory)

@@ -41,4 +41,7 @@ PLATFORM = Platform(
     probes={"torch_npu": module_probe("torch_npu", "pip install 'dsa-indexer[npu]' with the CANN toolkit")},
     libraries={"torch_npu": "torch_npu"},
     distributions=("torch_npu",),
+    # torch_npu's indexers read plain paged keys: bf16 for V3.2 (npu_lightning_indexer), int8 + fp16 scales for V4's
+    # C4 indexer (npu_quant_lightning_indexer, cmp_ratio 4)
+    cache_layouts={1: "paged64_bf16", 4: "paged64_int8"},
     names="'npu' (optionally 'npu:<SoC>')")

@@ -11,7 +11,8 @@ import functools
 
 import torch
 
-from ...contract.cache import PAGE_SIZE, decode_row_requests, indices_to_slots, page_views, store_rows
+from ...contract.cache import (PAGE_SIZE, decode_row_requests, gather_plain_keys, indices_to_slots, page_views,
+                               store_plain_rows, store_rows)
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20
@@ -252,3 +253,81 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     target = torch.where((later != request) & (state_slot >= 0), slot, torch.full_like(slot, scratch))
     state[target, positions % window] = proj
     return pooled
+
+
+# --- the plain paged layouts (paged64_bf16, paged64_int8) ------------------------------------------------------
+INT8_MAX = 127.0
+
+
+def quant_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dim: (int8 like x, fp16 scale [...]); the scale is rounded to fp16 FIRST and
+    the values divided by that rounded scale, so ``q * scale`` is the dequantized value the kernels compute."""
+    amax = x.abs().amax(dim=-1).clamp_min(1e-4)
+    scale = (amax / torch.full_like(amax, INT8_MAX)).to(torch.float16)
+    q = torch.round(x / scale.float()[..., None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                     weight_scale: float, rope_offset: int = 0, interleaved: bool = False, key_format: str = "bf16"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = apply_rope(q.float(), positions, cos_sin, rope_offset, interleaved)
+    weights = head_weights.float() * weight_scale
+    if key_format == "bf16":
+        return x.to(q.dtype), q.new_empty(0, dtype=torch.float16), weights
+    q_int8, scale = quant_int8_rows(x @ hadamard_matrix(x.shape[-1], x.device))
+    return q_int8, scale, weights
+
+
+def plain_keys(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+               positions: torch.Tensor, cos_sin: torch.Tensor, rope_offset: int, interleaved: bool, norm: str,
+               key_format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The keys a plain-layout cache stores: (bf16 keys, None) or (int8 keys, fp16 scales)."""
+    x = k.float()
+    if norm == "layernorm":
+        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
+    elif norm == "rmsnorm":
+        x = rmsnorm(x, norm_weight, eps)
+    x = apply_rope(x, positions, cos_sin, rope_offset, interleaved)
+    if key_format == "bf16":
+        return x.to(torch.bfloat16), None
+    return quant_int8_rows(x @ hadamard_matrix(x.shape[-1], x.device))
+
+
+def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
+                           eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, key_cache: torch.Tensor,
+                           key_scales: torch.Tensor, slot_mapping: torch.Tensor, rope_offset: int = 0,
+                           interleaved: bool = False, norm: str = "layernorm", key_format: str = "bf16") -> None:
+    keys, scales = plain_keys(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, interleaved, norm,
+                              key_format)
+    store_plain_rows(key_cache, key_scales, slot_mapping, keys, scales)
+
+
+def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
+                             key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, compress_ratio: int = 1
+                             ) -> torch.Tensor:
+    """Request by request: its visible entries dequantized to fp32, fp32 scores, the reference top-k."""
+    rows, heads, _ = q.shape
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=q.device)
+    qf = q.float()
+    if q.dtype == torch.int8:
+        qf = qf * q_scales.float()[..., None]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens_k.tolist()
+    for b, length in enumerate(lens):
+        start, stop = cu[b], cu[b + 1]
+        n = stop - start
+        if n == 0:
+            continue
+        entries = length // compress_ratio
+        ends = (length - n + torch.arange(1, n + 1, device=q.device)) // compress_ratio
+        if entries == 0:
+            continue
+        keys = gather_plain_keys(key_cache, key_scales, block_table[b], entries)
+        chunk = max(1, _SCORES_BUDGET_BYTES // max(1, heads * entries * 4))
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            logits = _weighted_relu_scores(qf[start + lo:start + hi], keys, weights[start + lo:start + hi].float())
+            out[start + lo:start + hi] = topk_indices(logits, k, ends[lo:hi])
+    return out
