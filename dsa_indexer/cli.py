@@ -178,6 +178,7 @@ def cmd_run(args) -> int:
 
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR, EXIT_USAGE = 0, 1, 2, 2  # argparse's usage errors exit 2 too
+SUITE_CHOICES = ("decode", "topk", "prefill", "ops")  # dsa_indexer.bench.SUITES
 INT_FACTS = {"heads", "dim", "next_n", "k", "group_size", "width", "rope_dim", "n", "window", "tokens"}
 
 
@@ -201,28 +202,88 @@ def _writable_json_path(text: str) -> str:
     return text
 
 
+def _progress_style(text: str) -> str:
+    """``--progress``: checked before the run (a bar library that is asked for by name must import)."""
+    from .bench import PROGRESS_STYLES, _importable
+
+    if text not in PROGRESS_STYLES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(PROGRESS_STYLES)})")
+    if text in ("rich", "tqdm") and not _importable(text):
+        raise argparse.ArgumentTypeError(f"{text} is not installed (pip install {text}; or use auto or plain)")
+    return text
+
+
+def _prefill_shape(text: str) -> tuple[int, int]:
+    """``--prefill-shapes QUERIESxKEYS``: causal rows, so 1 <= queries <= keys."""
+    queries, sep, keys = text.lower().partition("x")
+    if not sep or not queries.strip().isdigit() or not keys.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected QUERIESxKEYS such as 4096x4096, got {text!r}")
+    q, k = int(queries), int(keys)
+    if not 1 <= q <= k:
+        raise argparse.ArgumentTypeError(f"need 1 <= queries <= keys (causal rows), got {q}x{k}")
+    return q, k
+
+
+def _plots_folder(text: str) -> str:
+    import pathlib
+
+    path = pathlib.Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def _bench_command(args) -> list[str]:
+    """The command line that reproduces this run, rebuilt from the parsed arguments (however it was invoked)."""
+    command = ["dsa-indexer", "bench", "--suite", *args.suite]
+    for flag, value in (("--device", args.device), ("--repeats", args.repeats), ("--batch", args.batch),
+                        ("--context", args.context), ("--budget-s", args.budget_s), ("--json", args.json),
+                        ("--plots", args.plots)):
+        if value is not None:
+            command += [flag, *map(str, value if isinstance(value, list) else [value])]
+    if args.prefill_shapes:
+        command += ["--prefill-shapes", *(f"{q}x{k}" for q, k in args.prefill_shapes)]
+    return command
+
+
 def cmd_bench(args) -> int:
+    import contextlib
+
     from . import bench
 
     device = torch.device(args.device) if args.device else None
     if device is not None and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch sees no CUDA/ROCm GPU")
-
-    def progress(items, label):
-        items = list(items)
-        bar = _Progress(len(items), f"bench {label}")
-        for i, item in enumerate(items):
-            yield item
-            bar.update(i + 1)
-
-    report = bench.run_bench(args.suite, device=device, repeats=args.repeats, progress=progress)
-    if args.json != "-":
-        print(bench.format_table(report))
-    if args.json:
-        bench.write_json(report, args.json)
     if args.plots:
-        for path in bench.write_plots(report, args.plots):
+        bench.require_matplotlib()  # before the run, not after minutes of it
+    json_stdout = args.json == "-"
+    stdout = sys.stdout
+    # With --json -, stdout carries the JSON only: anything else printed meanwhile goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if json_stdout else contextlib.nullcontext():
+        report = bench.run_bench(args.suite, device=device, repeats=args.repeats,
+                                 progress=bench.progress_factory(args.progress), batches=args.batch,
+                                 contexts=args.context, prefill=args.prefill_shapes, budget_s=args.budget_s)
+        plots = bench.write_plots(report, args.plots) if args.plots else []
+        if not json_stdout:
+            print(bench.format_table(report))
+        for path in plots:
             print(f"plot: {path}")
+    if args.json:
+        bench.write_json(report, args.json, stream=stdout, command=_bench_command(args))
+    if report.errors:
+        print(f"dsa-indexer bench: {len(report.errors)} measurement(s) failed (listed in the table and in the "
+              "JSON's errors)", file=sys.stderr)
+        return EXIT_MISMATCH
     return 0
 
 
@@ -262,16 +323,38 @@ def build_parser() -> argparse.ArgumentParser:
                      "error")
     run.set_defaults(func=cmd_run)
 
-    bench = sub.add_parser("bench", help="every accepted implementation side by side, with measured ceilings")
-    bench.add_argument("--suite", nargs="+", default=["decode"], choices=("decode", "topk", "prefill", "ops"),
-                       help="decode (B x context), topk (with torch.topk), prefill (query x key lengths), ops (each "
-                            "at one size); default decode")
+    bench = sub.add_parser(
+        "bench", help="every accepted implementation side by side, with measured ceilings",
+        description="Every implementation that resolution accepts on this device, forced in turn and timed side by "
+                    "side (CUDA-graph replays timed by CUDA events, warm-up excluded, L2 flushed, medians; on a CPU "
+                    "the wall clock at small sizes: CPU numbers, not GPU numbers), with the device's copy bandwidth "
+                    "and matmul rate measured in the same run. Exit codes: 0 done; 1 some measurement raised (the "
+                    "others still ran; listed as FAILED and in the JSON's errors); 2 usage or runtime error (bad "
+                    "arguments, --device cuda without a GPU, --plots without matplotlib).")
+    bench.add_argument("--suite", nargs="+", default=["decode"], choices=SUITE_CHOICES,
+                       help="decode (B x context: lightning_indexer, and the whole V3.2 indexer step per pipeline "
+                            "strategy, single / dual stream, with and without q_lora reuse), topk (with "
+                            "torch.topk), prefill (query x key lengths), ops (each op alone, at one size); default "
+                            "decode")
     bench.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
     bench.add_argument("--repeats", type=_positive_int, default=None, help="samples per median (25 GPU, 5 CPU)")
-    bench.add_argument("--json", type=lambda t: t if t == "-" else _writable_json_path(t),
-                       help="write the results as JSON to this file ('-': stdout, instead of the table)")
-    bench.add_argument("--plots", default=None, metavar="DIR", help="PNG plots into DIR (needs matplotlib: the "
-                       "'bench' extra)")
+    bench.add_argument("--batch", type=_positive_int, nargs="+", default=None, metavar="B",
+                       help="decode / topk batch sizes (default 1 32 128 on GPU, 1 4 on CPU)")
+    bench.add_argument("--context", type=_positive_int, nargs="+", default=None, metavar="TOKENS",
+                       help="decode / topk context lengths (default 8192 32768 131072 on GPU, 1024 4096 on CPU)")
+    bench.add_argument("--prefill-shapes", type=_prefill_shape, nargs="+", default=None, metavar="QxK",
+                       help="prefill queries x keys, causal (default 4096x4096 2048x32768 on GPU, 128x1024 on CPU)")
+    bench.add_argument("--budget-s", type=_positive_seconds, default=None, metavar="SECONDS",
+                       help="start no new item after this many seconds (the rest is listed as skipped)")
+    bench.add_argument("--json", type=lambda t: t if t == "-" else _writable_json_path(t), metavar="FILE",
+                       help="write the results as JSON to this file ('-': stdout, instead of the table; stdout then "
+                            "holds the JSON only)")
+    bench.add_argument("--plots", type=_plots_folder, default=None, metavar="DIR",
+                       help="PNG plots into DIR: latency vs context, fraction of the bandwidth floor, dual vs "
+                            "single stream, top-k vs torch.topk, prefill (needs matplotlib: the 'bench' extra)")
+    bench.add_argument("--progress", type=_progress_style, default="auto", metavar="STYLE",
+                       help="auto (a rich or tqdm bar on a terminal when installed, else a line per item), rich, "
+                            "tqdm, plain, none; always on stderr")
     bench.set_defaults(func=cmd_bench)
     return parser
 

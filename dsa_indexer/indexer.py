@@ -33,7 +33,7 @@ from .contract.validate import IndexerInputError, ranges_checked as check_values
 log = logging.getLogger("dsa_indexer")
 
 CHECKPOINT_PREFIX = "model.layers.{layer}.self_attn.indexer."  # V3.2; each config names its own
-DEFAULT_LOGITS_BUDGET = 512 << 20  # bytes of a prefill chunk's fp32 logits and q-path intermediates, at once
+DEFAULT_LOGITS_BUDGET = 2 << 30  # bytes of a prefill chunk's fp32 logits and q-path intermediates, at once (2 GiB)
 
 
 COMPRESSOR_KEYS = ("wkv.weight", "wgate.weight", "ape", "norm.weight")  # under <prefix>compressor.

@@ -184,7 +184,7 @@ def test_the_float64_oracle_check_fails_on_wrong_indices():
 
 def test_bench_runs_on_a_cpu_and_writes_json(tmp_path, capsys):
     report = tmp_path / "bench.json"
-    assert main(["bench", "--suite", "ops", "--repeats", "2", "--json", str(report)]) == 0
+    assert main(["bench", "--suite", "ops", "--device", "cpu", "--repeats", "2", "--json", str(report)]) == 0
     out = capsys.readouterr().out
     assert "CPU numbers, not GPU numbers" in out and "torch.topk (baseline)" in out
     data = json.loads(report.read_text())
