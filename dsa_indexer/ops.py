@@ -215,6 +215,25 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
 
 # ----------------------------------------------------------------------------------------------------------------
 # k_prologue_store
+def _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset: int, norm: str) -> int:
+    """The checks every key prologue makes (k [T, 128], its norm's parameters, positions, the RoPE table); -> T."""
+    v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
+    t, d = k.shape
+    if d != 128:
+        raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
+    if norm not in NORMS:
+        raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
+    if norm != "none" and not (v.finite_number("eps", eps) > 0):
+        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
+    if norm != "none":
+        v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
+    if norm == "layernorm":
+        v.tensor("norm_bias", norm_bias, shape=(d,), device=k.device)
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    _check_rope(cos_sin, d, rope_offset, k.device)
+    return t
+
+
 def _k_prologue_store_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
                          eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
@@ -239,20 +258,7 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
     ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight: V4's compressor norms its pooled
     entries here) or "none" (keys normed by the caller). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
     """
-    v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
-    t, d = k.shape
-    if d != 128:
-        raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
-    if norm not in NORMS:
-        raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
-    if norm != "none" and not (v.finite_number("eps", eps) > 0):
-        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
-    if norm != "none":
-        v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
-    if norm == "layernorm":
-        v.tensor("norm_bias", norm_bias, shape=(d,), device=k.device)
-    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
-    _check_rope(cos_sin, d, rope_offset, k.device)
+    t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
     check_kv_cache(kv_cache)
     v.tensor("kv_cache", kv_cache, device=k.device)
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
@@ -576,21 +582,8 @@ def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, no
     """Norm + RoPE of k ``[T, 128]`` and the store into a plain-layout cache ``key_cache [pages, 64, 1, 128]``, in
     place. ``"bf16"``: the rotated keys as bf16 (``key_scales`` an empty tensor). ``"int8"``: then Hadamard and a
     symmetric int8 per key, its fp16 scale into ``key_scales [pages, 64, 1]``. ``slot_mapping`` -1 skips a row."""
-    v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
-    t, d = k.shape
     _check_format(key_format)
-    if d != 128:
-        raise v.IndexerInputError(f"k must have head dim 128 (the cache layout's), got {d}")
-    if norm not in NORMS:
-        raise v.IndexerInputError(f"norm must be one of {NORMS}, got {norm!r}")
-    if norm != "none" and not (v.finite_number("eps", eps) > 0):
-        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
-    if norm != "none":
-        v.tensor("norm_weight", norm_weight, shape=(d,), device=k.device)
-    if norm == "layernorm":
-        v.tensor("norm_bias", norm_bias, shape=(d,), device=k.device)
-    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
-    _check_rope(cos_sin, d, rope_offset, k.device)
+    t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
     _check_plain_cache(key_cache, key_scales, key_format, k.device)
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
     v.in_range("slot_mapping", slot_mapping, -1, key_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")

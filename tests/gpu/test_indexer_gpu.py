@@ -131,3 +131,45 @@ def test_decode_and_prefill_match_the_reference(setup):
     _assert_same_sets_up_to_ties(decode_fast, decode_ref, logits, magnitude)
     fast = {op: res.chosen.impl_id for (op, _, _), res in default_registry().used.items()}
     print("implementations:", fast)
+
+
+def test_bounded_prefill_equals_one_pass_on_the_gpu(setup):
+    """The bounded prefill (keys first, then q path + scoring per planned chunk) gives the one-pass result on the GPU
+    with the best implementations, and its peak extra memory stays near the budget (issue 13)."""
+    cfg, indexer, _, table, nreq = setup
+    gen = torch.Generator().manual_seed(7)
+    lens = [3000, 1700]
+    pb = PrefillBatch.build([0, 0], lens, table[:2], num_cache_pages=table.numel(), device="cuda")
+    x = torch.randn(pb.num_tokens, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    q_lora = torch.randn(pb.num_tokens, cfg.q_lora_rank, generator=gen).to("cuda", torch.bfloat16)
+    one_pass = indexer(x, q_lora, pb.positions, pb, IndexKCache.allocate(table.numel(), "cuda"))
+    budget = indexer.logits_budget_bytes
+    try:
+        indexer.logits_budget_bytes = 16 << 20
+        assert len(pb.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())) > 3
+        cache = IndexKCache.allocate(table.numel(), "cuda")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        chunked = indexer(x, q_lora, pb.positions, pb, cache)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    finally:
+        indexer.logits_budget_bytes = budget
+    assert torch.equal(chunked, one_pass)  # same kernels, same rows: bit-identical
+    output = chunked.numel() * 4
+    print(f"bounded prefill: peak extra {peak / 2**20:.1f} MiB for a 16 MiB budget + {output / 2**20:.1f} MiB output")
+    assert peak <= 3 * (16 << 20) + output + (64 << 20)  # the budget, the output, the gathered keys and workspaces
+
+
+def test_position_past_the_rope_table_is_refused_on_the_gpu(setup):
+    from dsa_indexer.contract.validate import IndexerInputError
+
+    cfg, indexer, cache, table, _ = setup
+    db = DecodeBatch.build([cfg.max_position + 1], table[:1], num_cache_pages=cache.num_pages, device="cuda") \
+        if cfg.max_position + 1 <= table.shape[1] * 64 else None
+    if db is None:
+        pytest.skip("block table too short for a position past the table")
+    x = torch.zeros(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(IndexerInputError, match="past the RoPE table"):
+        indexer(x, torch.zeros(1, cfg.q_lora_rank, device="cuda", dtype=torch.bfloat16), db.positions, db, cache)

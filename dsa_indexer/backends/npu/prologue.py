@@ -57,17 +57,13 @@ def make_q_prologue_plain(api_of):
 
 
 def make_k_prologue_store_plain(api_of):
-    from ..reference.kernels import rmsnorm
+    from ..reference.kernels import key_norm
 
     def k_prologue_store_plain(k, norm_weight, norm_bias, eps, positions, cos_sin, key_cache, key_scales,
                                slot_mapping, rope_offset=0, interleaved=False, norm="layernorm",
                                key_format="bf16") -> None:
         api: NpuApi = api_of()
-        x = k.float()
-        if norm == "layernorm":
-            x = torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
-        elif norm == "rmsnorm":
-            x = rmsnorm(x, norm_weight, eps)
+        x = key_norm(k, norm_weight, norm_bias, eps, norm)
         x = _rope(api, x[:, None, :], positions, cos_sin, rope_offset, interleaved)[:, 0]
         keys, scales = (x.to(torch.bfloat16), None) if key_format == "bf16" else _int8(api, x)
         keep = slot_mapping >= 0  # padding rows store nothing (this selection syncs with the host)

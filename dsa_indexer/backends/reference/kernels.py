@@ -107,15 +107,21 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     return q_fp8, weights
 
 
+def key_norm(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+             norm: str) -> torch.Tensor:
+    """fp32 ``k`` normed as the config says: "layernorm" (V3.2's k_norm), "rmsnorm" (V4's compressor), "none"."""
+    x = k.float()
+    if norm == "layernorm":
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
+    if norm == "rmsnorm":
+        return rmsnorm(x, norm_weight, eps)
+    return x
+
+
 def k_prologue(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
                positions: torch.Tensor, cos_sin: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
                fp8_dtype: torch.dtype, norm: str) -> tuple[torch.Tensor, torch.Tensor]:
-    x = k.float()
-    if norm == "layernorm":
-        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
-    elif norm == "rmsnorm":
-        x = rmsnorm(x, norm_weight, eps)
-    x = apply_rope(x, positions, cos_sin, rope_offset, interleaved)
+    x = apply_rope(key_norm(k, norm_weight, norm_bias, eps, norm), positions, cos_sin, rope_offset, interleaved)
     x = x @ hadamard_matrix(x.shape[-1], x.device)
     k_fp8, k_scale = quant_fp8_groups(x, x.shape[-1], ue8m0, fp8_dtype)
     return k_fp8, k_scale.squeeze(-1)
@@ -283,12 +289,7 @@ def plain_keys(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: tor
                positions: torch.Tensor, cos_sin: torch.Tensor, rope_offset: int, interleaved: bool, norm: str,
                key_format: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The keys a plain-layout cache stores: (bf16 keys, None) or (int8 keys, fp16 scales)."""
-    x = k.float()
-    if norm == "layernorm":
-        x = torch.nn.functional.layer_norm(x, (x.shape[-1],), norm_weight.float(), norm_bias.float(), eps)
-    elif norm == "rmsnorm":
-        x = rmsnorm(x, norm_weight, eps)
-    x = apply_rope(x, positions, cos_sin, rope_offset, interleaved)
+    x = apply_rope(key_norm(k, norm_weight, norm_bias, eps, norm), positions, cos_sin, rope_offset, interleaved)
     if key_format == "bf16":
         return x.to(torch.bfloat16), None
     return quant_int8_rows(x @ hadamard_matrix(x.shape[-1], x.device))
