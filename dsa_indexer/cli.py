@@ -23,6 +23,7 @@ DEFAULT_PROBLEMS = {
     "k_prologue_store": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", ue8m0=True, fp8="fn"),
     "paged_mqa_logits": dict(heads=64, dim=128, next_n=1, fp8="fn"),
     "ragged_mqa_logits": dict(heads=64, dim=128, fp8="fn"),
+    "ragged_mqa_topk": dict(heads=64, dim=128, fp8="fn", k=2048),
     "lightning_indexer": dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"),
     "topk_indices": dict(k=2048, slots=False, starts=False),
     "gemm_fp8_blockscale": dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn"),

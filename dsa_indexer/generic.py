@@ -1,8 +1,8 @@
 """Generic strategies: compositions that run on every target by calling the ops through the registry.
 
 They are not kernels, so they live beside the pipeline rather than in a backend: the single-stream pipeline
-strategy (`pipeline.single_stream`) and the composed lightning indexer (paged logits, then top-k, each resolved on
-its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
+strategy (`pipeline.single_stream`) and the composed lightning indexers (paged or ragged logits, then top-k, each
+resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
 register through the same plugin hook as the backends (`dsa_indexer.backends.BUILTIN_PACKAGES` lists this module).
 """
 
@@ -31,8 +31,17 @@ def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights:
                             row_request=decode_row_requests(q.shape[0], q.shape[1], q.device))
 
 
+def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int) -> torch.Tensor:
+    """``topk_indices(ragged_mqa_logits(...))`` through the public ops (the [S, N] logits in memory)."""
+    return ops.topk_indices(ops.ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks)
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
+    registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
+                            priority=COMPOSED_PRIORITY,
+                            description="ragged_mqa_logits then topk_indices, each resolved on its own"
+                            )(lambda: ragged_mqa_topk_composed)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own"

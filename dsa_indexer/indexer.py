@@ -559,10 +559,11 @@ class Indexer(nn.Module):
 
     def _score_chunk(self, q_fp8, weights, keys, key_scales, batch: PrefillBatch, start: int, stop: int, lo: int,
                      hi: int, out: torch.Tensor) -> None:
-        """Ragged logits of rows [start, stop) over gathered keys [lo, hi), then their top-k into ``out``."""
+        """Ragged logits + top-k of rows [start, stop) over gathered keys [lo, hi) into ``out`` (`ragged_mqa_topk`:
+        a fused kernel where one serves, else the two ops)."""
         ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
-        logits = ops.ragged_mqa_logits(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, target=self.target)
-        out[start:stop] = ops.topk_indices(logits, self.config.topk, ke, ks, target=self.target)
+        out[start:stop] = ops.ragged_mqa_topk(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, self.config.topk,
+                                              target=self.target)
 
     # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------
     def capture_decode(self, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,

@@ -310,11 +310,7 @@ def _ragged_mqa_logits_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Te
 _ragged_mqa_logits_op = _custom_op("ragged_mqa_logits", _ragged_mqa_logits_impl)
 
 
-def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                      ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
-    """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
-    ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
-    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
+def _check_ragged(q, k, k_scales, weights, ks, ke) -> None:
     v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=3)
     s, h, d = q.shape
     v.tensor("k", k, dtype=q.dtype, shape=(None, d), device=q.device)
@@ -327,6 +323,14 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
     v.in_range("ke", ke, 0, n + 1, "key rows")
     if v.ranges_checked(ks) and s and bool((ke < ks).any()):
         raise v.IndexerInputError("ke must be >= ks on every row")
+
+
+def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                      ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
+    """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
+    ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
+    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
+    _check_ragged(q, k, k_scales, weights, ks, ke)
     fn = torch.ops.dsa_indexer.ragged_mqa_logits if _compiling() else _ragged_mqa_logits_impl
     return fn(q, k, k_scales, weights, ks, ke, target=_target_name(target))
 
@@ -458,6 +462,31 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_impl
     return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots,
               target=_target_name(target))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ragged_mqa_topk (prefill: ragged logits + top-k, for backends that fuse them)
+def _ragged_mqa_topk_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor, topk: int,
+                          target: Optional[str] = None) -> torch.Tensor:
+    problem = _problem("ragged_mqa_topk", q.shape[1], q.shape[2], _fp8_name(q.dtype), topk)
+    return _run("ragged_mqa_topk", q, problem, target, q, k, k_scales, weights, ks, ke, topk)
+
+
+_ragged_mqa_topk_op = _custom_op("ragged_mqa_topk", _ragged_mqa_topk_impl)
+
+
+def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                    ks: torch.Tensor, ke: torch.Tensor, topk: int, *,
+                    target: Target | str | None = None) -> torch.Tensor:
+    """The prefill scoring in one op: int32 [S, topk], the same set as
+    ``topk_indices(ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks)`` (positions relative to ks,
+    ties to the lower column, -1 padded; the order within a row is not part of the contract). A fused
+    implementation never holds the [S, N] logits; the composed one (generic) runs the two ops."""
+    _check_ragged(q, k, k_scales, weights, ks, ke)
+    v.positive_int("topk", topk)
+    fn = torch.ops.dsa_indexer.ragged_mqa_topk if _compiling() else _ragged_mqa_topk_impl
+    return fn(q, k, k_scales, weights, ks, ke, topk, target=_target_name(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------

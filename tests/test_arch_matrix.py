@@ -16,44 +16,44 @@ ENVIRONMENTS = {
 }
 OPS = ("gemm_fp8_blockscale", "indexer_pipeline", "k_prologue_store", "lightning_indexer", "paged_mqa_logits",
        "q_prologue", "quant_fp8_groups", "ragged_mqa_logits", "rmsnorm_quant_fp8", "topk_indices",
-       "k_prologue_store_plain", "lightning_indexer_ragged", "q_prologue_plain")
+       "k_prologue_store_plain", "lightning_indexer_ragged", "q_prologue_plain", "ragged_mqa_topk")
 
 # Columns follow OPS. ref = reference.torch, tri = triton.<module>, dg = cuda.deepgemm, ai = rocm.aiter,
 # ais = rocm.aiter_stable (aiter's top-k with stable=True),
 # 1s = generic.single_stream, 2s = cuda.dual_stream, cmp = generic.composed; npu: the plain cache layout its platform
 # allocates (p1s = generic.plain_single_stream, n2s = npu.two_stream, npu = npu.torch_npu).
 GOLDEN = """
-sm90    none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref
-sm90    triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref
-sm90    vendor  dg  2s  tri cmp dg  tri tri dg  tri tri ref ref ref
-sm100   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref
-sm100   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref
-sm100   vendor  tri 2s  tri cmp dg  tri tri dg  tri tri ref ref ref
-sm120   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref
-sm120   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref
-sm120   vendor  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref
-gfx942  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
-gfx942  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref
-gfx942  vendor  ai  1s  tri cmp ai  tri tri ai  tri ais ref ref ref
-gfx950  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
-gfx950  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref
-gfx950  vendor  ai  1s  tri cmp ai  tri tri ai  ai  ais ref ref ref
-gfx1250 none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
-gfx1250 triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref
-gfx1250 vendor  ai  1s  tri cmp tri tri tri tri ai  tri ref ref ref
-npu     none    ref p1s ref cmp ref ref ref ref ref ref ref ref ref
-npu     triton  ref p1s ref cmp ref ref ref ref ref ref ref ref ref
-npu     vendor  ref n2s ref cmp ref ref ref ref ref ref npu npu npu
-cpu     none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
-cpu     triton  ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
-cpu     vendor  ref 1s  ref cmp ref ref ref ref ref ref ref ref ref
+sm90    none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+sm90    triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
+sm90    vendor  dg  2s  tri cmp dg  tri tri dg  tri tri ref ref ref tri
+sm100   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+sm100   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
+sm100   vendor  tri 2s  tri cmp dg  tri tri dg  tri tri ref ref ref tri
+sm120   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+sm120   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
+sm120   vendor  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
+gfx942  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+gfx942  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
+gfx942  vendor  ai  1s  tri cmp ai  tri tri ai  tri ais ref ref ref tri
+gfx950  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+gfx950  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
+gfx950  vendor  ai  1s  tri cmp ai  tri tri ai  ai  ais ref ref ref tri
+gfx1250 none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+gfx1250 triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
+gfx1250 vendor  ai  1s  tri cmp tri tri tri tri ai  tri ref ref ref tri
+npu     none    ref p1s ref cmp ref ref ref ref ref ref ref ref ref cmp
+npu     triton  ref p1s ref cmp ref ref ref ref ref ref ref ref ref cmp
+npu     vendor  ref n2s ref cmp ref ref ref ref ref ref npu npu npu cmp
+cpu     none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+cpu     triton  ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
+cpu     vendor  ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
 """
 SHORT = {"ref": "reference.torch", "dg": "cuda.deepgemm", "ai": "rocm.aiter", "ais": "rocm.aiter_stable", "1s": "generic.single_stream",
          "2s": "cuda.dual_stream", "cmp": "generic.composed", "p1s": "generic.plain_single_stream",
          "n2s": "npu.two_stream", "npu": "npu.torch_npu"}
 TRITON_MODULE = {"gemm_fp8_blockscale": "gemm", "k_prologue_store": "prologue", "q_prologue": "prologue",
                  "paged_mqa_logits": "logits", "ragged_mqa_logits": "logits", "quant_fp8_groups": "quant",
-                 "rmsnorm_quant_fp8": "quant", "topk_indices": "topk"}
+                 "rmsnorm_quant_fp8": "quant", "topk_indices": "topk", "ragged_mqa_topk": "fused_topk"}
 
 
 def _expected():

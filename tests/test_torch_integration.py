@@ -48,6 +48,9 @@ def _cases():
                               torch.randn(4, h), torch.tensor([0, 0, 2, 3], dtype=torch.int32),
                               torch.tensor([1, 5, 9, 3], dtype=torch.int32)),
         "paged_mqa_logits": (q, kv, w, lens, table, width),
+        "ragged_mqa_topk": (torch.randn(4, h, 128).to(FP8), torch.randn(9, 128).to(FP8), torch.rand(9),
+                            torch.randn(4, h), torch.tensor([0, 0, 2, 3], dtype=torch.int32),
+                            torch.tensor([1, 5, 9, 3], dtype=torch.int32), 4),
         "topk_indices": (logits, 7, torch.tensor([50, 4, 30], dtype=torch.int32),
                          torch.tensor([0, 0, 10], dtype=torch.int32), None, None),
         "lightning_indexer": (q, kv, w, lens, table, width, 16, False),
@@ -68,7 +71,7 @@ def _cases():
 
 # opcheck's schema test compares outputs with arithmetic that torch does not implement for fp8 tensors, so the ops
 # that take fp8 inputs are checked for their fake (meta) implementation and autograd registration only.
-FP8_INPUT_OPS = {"gemm_fp8_blockscale", "ragged_mqa_logits", "paged_mqa_logits", "lightning_indexer"}
+FP8_INPUT_OPS = {"gemm_fp8_blockscale", "ragged_mqa_logits", "paged_mqa_logits", "lightning_indexer", "ragged_mqa_topk"}
 
 
 @pytest.mark.parametrize("op", ops.OPS)

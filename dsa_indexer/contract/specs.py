@@ -26,6 +26,7 @@ PROBLEM_KEYS: dict[str, tuple[str, ...]] = {
     "paged_mqa_logits": ('heads', 'dim', 'next_n', 'fp8'),
     "topk_indices": ('k', 'slots', 'starts'),
     "lightning_indexer": ('heads', 'dim', 'next_n', 'k', 'fp8', 'slots'),
+    "ragged_mqa_topk": ('heads', 'dim', 'fp8', 'k'),
     "c4_compress_pool": ('dim', 'window'),
     # The plain paged layouts (contract/cache.py: paged64_bf16, paged64_int8), read by fused indexers such as
     # torch_npu's: ``format`` is the key format ("bf16" or "int8"), ``ratio`` the key compression (1, or 4 for C4).
@@ -76,6 +77,10 @@ def _fake_lightning_indexer(q, kv_cache, weights, context_lens, block_table, max
     return q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32)
 
 
+def _fake_ragged_mqa_topk(q, k, k_scales, weights, ks, ke, topk, target=None):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int32)
+
+
 def _fake_c4_compress_pool(proj, state, ape, positions, row_request, state_slot, rows, target=None):
     return proj.new_empty((rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16)
 
@@ -118,6 +123,7 @@ SPECS: dict[str, OpSpec] = {
     "paged_mqa_logits": OpSpec("paged_mqa_logits", PROBLEM_KEYS["paged_mqa_logits"], (), _fake_paged_mqa_logits),
     "topk_indices": OpSpec("topk_indices", PROBLEM_KEYS["topk_indices"], (), _fake_topk_indices),
     "lightning_indexer": OpSpec("lightning_indexer", PROBLEM_KEYS["lightning_indexer"], (), _fake_lightning_indexer),
+    "ragged_mqa_topk": OpSpec("ragged_mqa_topk", PROBLEM_KEYS["ragged_mqa_topk"], (), _fake_ragged_mqa_topk),
     "c4_compress_pool": OpSpec("c4_compress_pool", PROBLEM_KEYS["c4_compress_pool"], ("state",),
                              _fake_c4_compress_pool),
     "q_prologue_plain": OpSpec("q_prologue_plain", PROBLEM_KEYS["q_prologue_plain"], (), _fake_q_prologue_plain),

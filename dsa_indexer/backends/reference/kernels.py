@@ -261,6 +261,11 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     return pooled
 
 
+def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                    ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
+    return topk_indices(ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks)
+
+
 # --- the plain paged layouts (paged64_bf16, paged64_int8) ------------------------------------------------------
 INT8_MAX = 127.0
 

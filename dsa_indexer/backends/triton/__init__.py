@@ -15,6 +15,9 @@ from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 
 TRITON_PRIORITY = 100
+# The fused prefill scoring (`fused_topk.py`) ranks above the composition of the best logits and top-k kernels
+# (generic, 1): measured on the H200 at one V3.2 layer, benchmarks/results/fused_prefill_h200.json.
+FUSED_TOPK_PRIORITY = 50
 TRITON_TARGETS = ("sm90", "sm100", "sm120", "gfx942", "gfx950", "gfx1250")
 
 # op -> (module in this package, function name)
@@ -50,7 +53,8 @@ def _supports(op: str):
         if width is not None and width > 16384:
             return f"width {width} > 16384: one row must fit one Triton program"
         heads = problem.get("heads")
-        if op in ("ragged_mqa_logits", "paged_mqa_logits") and heads is not None and heads not in (32, 64, 128):
+        if op in ("ragged_mqa_logits", "paged_mqa_logits", "ragged_mqa_topk") and heads is not None and \
+                heads not in (32, 64, 128):
             return f"heads={heads}: the Triton logits kernels take 32, 64 or 128 heads"
         return None
 
@@ -68,3 +72,8 @@ def dsa_indexer_register(registry: Registry) -> None:
         registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), supports=_supports(op),
                                 description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
+    registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
+                            priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
+                            supports=_supports("ragged_mqa_topk"),
+                            description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits"
+                            )(_factory("fused_topk", "ragged_mqa_topk"))

@@ -1,0 +1,175 @@
+"""One DeepSeek-V3.2 indexer layer's causal prefill of T tokens through `Indexer.forward` (issue 13), on a GPU.
+
+    python benchmarks/bench_prefill_layer.py [--tokens 8192,32768,131072] [--once 1048576] [--repeats 3]
+        [--json PATH]
+
+One request of T new tokens, no prefix, random weights (`init_random`), the default prefill budget (2 GiB). For
+each T:
+
+* host planning: `PrefillBatch.build` and the first (and the cached) `plan_chunks` call, in ms;
+* the whole layer, `Indexer.forward` (keys stored first, then per planned chunk: q path + scoring), once per
+  `ragged_mqa_topk` implementation the registry accepts (forced in turn): the fused Triton kernel and the
+  composition of the best ragged logits and top-k (DeepGEMM + the CUDA radix top-k where built);
+* the scoring alone over the same chunks and the same q: `ragged_mqa_topk` per implementation, and the ragged
+  logits kernel alone (`ragged_mqa_logits`, the resolved best), so scoring / logits is the fused top-k's overhead;
+* peak memory: the rise of `torch.cuda.max_memory_allocated` over what was allocated before the call, with the
+  budget and the int32 [T, 2048] output for comparison.
+
+Times are CUDA events around the call, median of --repeats after one warm-up (--once sizes: one timed run, no
+warm-up beyond the compile of the smaller sizes). The outputs of the implementations are compared (sets per row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dsa_indexer import IndexerConfig, Indexer, IndexKCache, PrefillBatch, ops  # noqa: E402
+from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
+
+OP = "ragged_mqa_topk"
+SCORING_ALONE_MAX_TOKENS = 262144
+
+
+def _timed(fn, repeats: int, warmup: bool) -> tuple[float, float, object]:
+    """(median ms, peak GiB above what was allocated before the first call, the last call's result)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    if warmup:
+        fn()
+    times, result = [], None
+    for _ in range(repeats):
+        result = None  # free the previous output: it is not part of the next call's peak
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30, result
+
+
+def _same_sets(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
+    step = max(1, a.shape[0] // rows)
+    agree = total = 0
+    for ra, rb in zip(a[::step].cpu().tolist(), b[::step].cpu().tolist()):
+        sa, sb = set(ra) - {-1}, set(rb) - {-1}
+        agree += len(sa & sb)
+        total += max(1, len(sb))
+    return agree / total
+
+
+def bench(tokens: int, repeats: int, warmup: bool) -> dict:
+    cfg = IndexerConfig.deepseek_v32(max_position=max(163840, tokens + 64))
+    indexer = Indexer(cfg, device="cuda").init_random(0)
+    pages = tokens // 64 + 2
+    table = torch.randperm(pages).to(torch.int32).view(1, pages)
+    t0 = time.perf_counter()
+    batch = PrefillBatch.build([0], [tokens], table, num_cache_pages=pages, device="cuda")
+    build_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    plan = batch.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    batch.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())
+    plan_cached_ms = (time.perf_counter() - t0) * 1e3
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    q_lora = torch.randn(tokens, cfg.q_lora_rank, device="cuda", generator=gen).to(torch.bfloat16)
+    registry = default_registry()
+    res = registry.resolve(OP, indexer.target, ops.problem(OP, heads=64, dim=128, fp8="fn", k=cfg.topk))
+    impls = [c.impl.impl_id for c in res.candidates if c.accepted and c.impl.vendor != "reference"]
+    report = {"tokens": tokens, "chunks": len(plan), "budget_GiB": indexer.logits_budget_bytes / 2**30,
+              "output_GiB": tokens * cfg.topk * 4 / 2**30, "build_ms": build_ms, "plan_ms": plan_ms,
+              "plan_cached_ms": plan_cached_ms, "implementations": impls, "layer_ms": {}, "layer_peak_GiB": {},
+              "scoring_ms": {}, "scoring_peak_GiB": {}}
+    cache = IndexKCache.allocate(pages, "cuda")
+    outputs = {}
+    for impl in impls:
+        registry.force(OP, impl)
+        try:
+            report["layer_ms"][impl], report["layer_peak_GiB"][impl], outputs[impl] = _timed(
+                lambda: indexer(x, q_lora, batch.positions, batch, cache), repeats, warmup)
+        finally:
+            registry.force(OP, None)
+    if len(outputs) > 1:
+        first, *rest = list(outputs)
+        report["set_agreement_vs_" + first] = {impl: _same_sets(outputs[impl], outputs[first]) for impl in rest}
+    outputs.clear()
+    if tokens > SCORING_ALONE_MAX_TOKENS:  # q for every row at once would hold ~57 KiB per token
+        report["scoring_ms"] = f"not measured above {SCORING_ALONE_MAX_TOKENS} tokens (q of every row at once)"
+        return report
+    # Scoring alone over the same chunks: q for every row once, keys gathered once (as _score_planned does).
+    q_fp8, weights = indexer.steps.q_path(indexer, x, q_lora, batch.positions, None)
+    keys, scales = cache.gather(batch.gather_slots)
+
+    def scoring(score):
+        out = torch.empty(tokens, cfg.topk, dtype=torch.int32, device="cuda")
+        for start, stop, lo, hi in plan:
+            score(start, stop, lo, hi, out)
+        return out
+
+    def logits_only(start, stop, lo, hi, out):
+        ops.ragged_mqa_logits(q_fp8[start:stop], keys[lo:hi], scales[lo:hi], weights[start:stop],
+                              batch.ks[start:stop] - lo, batch.ke[start:stop] - lo)
+
+    report["scoring_ms"]["ragged_mqa_logits alone"], _, _ = _timed(lambda: scoring(logits_only), repeats, warmup)
+    report["logits_impl"] = registry.resolve("ragged_mqa_logits", indexer.target,
+                                             ops.problem("ragged_mqa_logits", heads=64, dim=128, fp8="fn")
+                                             ).chosen.impl_id
+    for impl in impls:
+        registry.force(OP, impl)
+        try:
+            def topk_chunk(start, stop, lo, hi, out):
+                out[start:stop] = ops.ragged_mqa_topk(q_fp8[start:stop], keys[lo:hi], scales[lo:hi],
+                                                      weights[start:stop], batch.ks[start:stop] - lo,
+                                                      batch.ke[start:stop] - lo, cfg.topk)
+
+            report["scoring_ms"][impl], report["scoring_peak_GiB"][impl], _ = _timed(lambda: scoring(topk_chunk),
+                                                                                     repeats, warmup)
+        finally:
+            registry.force(OP, None)
+    logits = report["scoring_ms"]["ragged_mqa_logits alone"]
+    report["scoring_over_logits"] = {impl: report["scoring_ms"][impl] / logits for impl in impls}
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="8192,32768,131072", help="comma-separated T (timed --repeats times)")
+    parser.add_argument("--once", default="", help="comma-separated T timed once (e.g. 1048576)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_prefill_layer needs a CUDA GPU; `dsa-indexer bench --suite prefill` runs on a CPU")
+        return 0
+    results = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
+    sizes = [(int(t), args.repeats, True) for t in args.tokens.split(",") if t]
+    sizes += [(int(t), 1, False) for t in args.once.split(",") if t]
+    for tokens, repeats, warmup in sizes:
+        started = time.perf_counter()
+        run = bench(tokens, repeats, warmup)
+        torch.cuda.empty_cache()
+        run["wall_s"] = time.perf_counter() - started
+        results["runs"].append(run)
+        print(json.dumps(run, indent=1), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
