@@ -49,12 +49,76 @@ def q_lora_reuse() -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"dispatch_overhead": dispatch_overhead, "q_lora_reuse": q_lora_reuse}
-BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(\n<!-- end generated -->)", re.S)
+def _short(impl: str) -> str:
+    return impl.split(".", 1)[1] if "." in impl else impl
+
+
+def bench_h200() -> str:
+    """The `dsa-indexer bench` run: the whole decode step per strategy, and the top-k against torch.topk."""
+    data = json.loads((RESULTS / "bench_h200.json").read_text())
+    ceil = data["ceilings"]
+    lines = [f"`{data['command']}` ({data['device']}; copy {ceil.get('copy_GBps', 0):.0f} GB/s, fp8 GEMM "
+             f"{ceil.get('fp8_matmul_TFLOPs', 0):.0f} TFLOP/s measured in the run). Plots: "
+             "`docs/img/bench_*.png` (`dsa-indexer bench --from-json benchmarks/results/bench_h200.json --plots "
+             "docs/img`).", "",
+             "| B x context | single stream us | dual stream us | single + q_lora reuse us | dual + q_lora reuse us | "
+             "lightning_indexer (fused paged logits + top-k) us |", "|---|---|---|---|---|---|"]
+    steps: dict = {}
+    fused: dict = {}
+    for row in data["rows"]:
+        key = (row["shape"].get("batch"), row["shape"].get("context"))
+        if row["op"] == "indexer_pipeline":
+            steps.setdefault(key, {})[row["implementation"]] = row["time_us"]
+        elif row["op"] == "lightning_indexer" and row["implementation"] == "lightning_indexer.cuda.deepgemm_radix":
+            fused[key] = row["time_us"]
+    for key in sorted(steps):
+        cells = [steps[key].get(name) for name in ("single_stream", "dual_stream", "single_stream+q_lora_reuse",
+                                                   "dual_stream+q_lora_reuse")]
+        text = " | ".join("-" if c is None else f"{c:.1f}" for c in cells + [fused.get(key)])
+        lines.append(f"| {key[0]} x {key[1]} | {text} |")
+    lines += ["", "| top-k: B x context | best implementation | us | torch.topk us | speedup |", "|---|---|---|---|---|"]
+    topk: dict = {}
+    for row in data["rows"]:
+        if row["suite"] == "topk":
+            topk.setdefault((row["shape"].get("batch"), row["shape"].get("context")), {})[row["implementation"]] = \
+                row["time_us"]
+    for key in sorted(topk):
+        impls = topk[key]
+        base = impls.get("torch.topk (baseline)")
+        best = min((t, i) for i, t in impls.items() if i != "torch.topk (baseline)" and "reference" not in i)
+        lines.append(f"| {key[0]} x {key[1]} | `{_short(best[1])}` | {best[0]:.1f} | {base:.1f} | {base / best[0]:.2f}x |")
+    return "\n".join(lines)
+
+
+def prefill_layer() -> str:
+    data = json.loads((RESULTS / "prefill_layer_h200.json").read_text())
+    lines = [f"`{data['command']}` ({data['device']}, torch {data['torch']}):", "",
+             "| T | chunks | plan ms (first / cached) | layer ms: composed / fused | peak GiB: composed / fused "
+             "(budget 2 + output) | scoring ms: logits alone / composed / fused | scoring / logits: composed / "
+             "fused |", "|---|---|---|---|---|---|---|"]
+    comp, fused = "ragged_mqa_topk.generic.composed", "ragged_mqa_topk.triton.fused_topk"
+    for run in data["runs"]:
+        scoring = run["scoring_ms"]
+        if isinstance(scoring, dict):
+            score = (f"{scoring['ragged_mqa_logits alone']:.1f} / {scoring[comp]:.1f} / {scoring[fused]:.1f}",
+                     f"{run['scoring_over_logits'][comp]:.2f} / {run['scoring_over_logits'][fused]:.2f}")
+        else:
+            score = ("not measured (q of every row at once)", "-")
+        lines.append(f"| {run['tokens']} | {run['chunks']} | {run['plan_ms']:.2f} / {run['plan_cached_ms']:.3f} | "
+                     f"{run['layer_ms'][comp]:.1f} / {run['layer_ms'][fused]:.1f} | "
+                     f"{run['layer_peak_GiB'][comp]:.2f} / {run['layer_peak_GiB'][fused]:.2f} "
+                     f"(2 + {run['output_GiB']:.2f}) | {score[0]} | {score[1]} |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"dispatch_overhead": dispatch_overhead, "q_lora_reuse": q_lora_reuse, "bench_h200": bench_h200,
+             "prefill_layer": prefill_layer}
+# A block's old content never crosses into the next block (an empty block must not swallow the text after it).
+BLOCK = re.compile(r"(<!-- generated: (\w+) -->)\n(?:((?:(?!<!-- generated: ).)*?)\n)?(<!-- end generated -->)", re.S)
 
 
 def render(text: str) -> str:
-    return BLOCK.sub(lambda m: m.group(1) + RENDERERS[m.group(2)]() + m.group(4), text)
+    return BLOCK.sub(lambda m: f"{m.group(1)}\n{RENDERERS[m.group(2)]()}\n{m.group(4)}", text)
 
 
 def main() -> int:

@@ -92,6 +92,19 @@ class BenchReport:
                 "skipped_for_time": self.skipped_for_time, "skipped": self.skipped, "errors": self.errors}
 
 
+def report_from_json(data: dict) -> BenchReport:
+    """A saved report (``--json``) back as a `BenchReport`: its table and plots render again without measuring
+    (a GPU machine without matplotlib saves the JSON; the plots are drawn elsewhere)."""
+    try:
+        rows = [Row(**row) for row in data["rows"]]
+        return BenchReport(device=data["device"], target=data["target"], note=data.get("note", ""),
+                           ceilings=data.get("ceilings", {}), rows=rows, settings=data.get("settings", {}),
+                           skipped_for_time=data.get("skipped_for_time", []), errors=data.get("errors", []),
+                           skipped=data.get("skipped", []))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a dsa-indexer bench report ({type(exc).__name__}: {exc})") from None
+
+
 # --- timing --------------------------------------------------------------------------------------------------------
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":

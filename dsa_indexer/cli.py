@@ -173,6 +173,8 @@ def cmd_run(args) -> int:
                            verify=not args.no_verify, target=parse_target(args.target) if args.target else None)
     report = run_main_job(settings, progress=_Progress)
     if args.json:
+        report = {"command": "dsa-indexer " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("dsa-indexer")
+                  else "dsa-indexer run ...", **report}
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=2, default=str)
     return 0 if report["verified"] in (True, None) else 1
@@ -225,6 +227,14 @@ def _prefill_shape(text: str) -> tuple[int, int]:
     return q, k
 
 
+def _readable_file(text: str) -> str:
+    import pathlib
+
+    if not pathlib.Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return text
+
+
 def _plots_folder(text: str) -> str:
     import pathlib
 
@@ -267,6 +277,14 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--device {args.device}: this torch sees no CUDA/ROCm GPU")
     if args.plots:
         bench.require_matplotlib()  # before the run, not after minutes of it
+    if args.from_json:  # re-render a saved run: no measurement
+        import json as json_module
+
+        report = bench.report_from_json(json_module.loads(open(args.from_json).read()))
+        print(bench.format_table(report))
+        for path in bench.write_plots(report, args.plots) if args.plots else []:
+            print(f"plot: {path}")
+        return 0
     json_stdout = args.json == "-"
     stdout = sys.stdout
     # With --json -, stdout carries the JSON only: anything else printed meanwhile goes to stderr.
@@ -350,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=lambda t: t if t == "-" else _writable_json_path(t), metavar="FILE",
                        help="write the results as JSON to this file ('-': stdout, instead of the table; stdout then "
                             "holds the JSON only)")
+    bench.add_argument("--from-json", type=_readable_file, default=None, metavar="FILE",
+                       help="render the table (and --plots) of a saved --json report instead of measuring")
     bench.add_argument("--plots", type=_plots_folder, default=None, metavar="DIR",
                        help="PNG plots into DIR: latency vs context, fraction of the bandwidth floor, dual vs "
                             "single stream, top-k vs torch.topk, prefill (needs matplotlib: the 'bench' extra)")

@@ -24,23 +24,23 @@ OPS = ("gemm_fp8_blockscale", "indexer_pipeline", "k_prologue_store", "lightning
 # allocates (p1s = generic.plain_single_stream, n2s = npu.two_stream, npu = npu.torch_npu).
 GOLDEN = """
 sm90    none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-sm90    triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
-sm90    vendor  dg  2s  tri cmp dg  tri tri dg  tri tri ref ref ref tri
+sm90    triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+sm90    vendor  dg  2s  tri cmp dg  tri tri dg  tri tri ref ref ref cmp
 sm100   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-sm100   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
-sm100   vendor  tri 2s  tri cmp dg  tri tri dg  tri tri ref ref ref tri
+sm100   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+sm100   vendor  tri 2s  tri cmp dg  tri tri dg  tri tri ref ref ref cmp
 sm120   none    ref 2s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-sm120   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
-sm120   vendor  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref tri
+sm120   triton  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+sm120   vendor  tri 2s  tri cmp tri tri tri tri tri tri ref ref ref cmp
 gfx942  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-gfx942  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
-gfx942  vendor  ai  1s  tri cmp ai  tri tri ai  tri ais ref ref ref tri
+gfx942  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+gfx942  vendor  ai  1s  tri cmp ai  tri tri ai  tri ais ref ref ref cmp
 gfx950  none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-gfx950  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
-gfx950  vendor  ai  1s  tri cmp ai  tri tri ai  ai  ais ref ref ref tri
+gfx950  triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+gfx950  vendor  ai  1s  tri cmp ai  tri tri ai  ai  ais ref ref ref cmp
 gfx1250 none    ref 1s  ref cmp ref ref ref ref ref ref ref ref ref cmp
-gfx1250 triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref tri
-gfx1250 vendor  ai  1s  tri cmp tri tri tri tri ai  tri ref ref ref tri
+gfx1250 triton  tri 1s  tri cmp tri tri tri tri tri tri ref ref ref cmp
+gfx1250 vendor  ai  1s  tri cmp tri tri tri tri ai  tri ref ref ref cmp
 npu     none    ref p1s ref cmp ref ref ref ref ref ref ref ref ref cmp
 npu     triton  ref p1s ref cmp ref ref ref ref ref ref ref ref ref cmp
 npu     vendor  ref n2s ref cmp ref ref ref ref ref ref npu npu npu cmp

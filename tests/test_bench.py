@@ -241,3 +241,17 @@ def test_the_benchmark_scripts_are_thin_callers_of_the_command(tmp_path, monkeyp
     assert decode_topk["command"].startswith("dsa-indexer bench --suite topk --repeats 1 --json ")
     logits_topk = json.loads((tmp_path / "bench_triton_logits_topk.json").read_text())
     assert {r["suite"] for r in logits_topk["rows"]} == {"topk", "prefill"}
+
+
+def test_a_saved_report_renders_again_without_measuring(tmp_path, capsys):
+    """--from-json: the committed H200 report gives its table (and plots where matplotlib is) with no measurement."""
+    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_h200.json"
+    assert main(["bench", "--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "topk_indices.cuda.radix" in out and "ragged_mqa_logits.cuda.deepgemm" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"suite": "decode"}]}))
+    assert main(["bench", "--from-json", str(bad)]) == 2  # a clear error, not a traceback
+    assert "not a dsa-indexer bench report" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--from-json", str(tmp_path / "missing.json")])

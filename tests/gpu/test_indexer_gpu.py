@@ -156,7 +156,9 @@ def test_bounded_prefill_equals_one_pass_on_the_gpu(setup):
         peak = torch.cuda.max_memory_allocated() - base
     finally:
         indexer.logits_budget_bytes = budget
-    assert torch.equal(chunked, one_pass)  # same kernels, same rows: bit-identical
+    # same kernels, same rows: the same set per row (the order within a row is not part of the contract; the top-k
+    # kernels may list a row's keys in another order when its chunk starts at another column)
+    assert torch.equal(chunked.sort(dim=1).values, one_pass.sort(dim=1).values)
     output = chunked.numel() * 4
     print(f"bounded prefill: peak extra {peak / 2**20:.1f} MiB for a 16 MiB budget + {output / 2**20:.1f} MiB output")
     assert peak <= 3 * (16 << 20) + output + (64 << 20)  # the budget, the output, the gathered keys and workspaces

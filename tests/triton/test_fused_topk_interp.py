@@ -251,9 +251,10 @@ def test_bad_inputs_raise_clear_errors(device):
         fused_ragged_topk(q, k, k_scales, weights, ks, ke, 8, sort="bitonic")
 
 
-def test_the_op_resolves_to_the_fused_kernel_and_gives_the_reference_sets(device):
-    """`ops.ragged_mqa_topk` on an NVIDIA target picks `ragged_mqa_topk.triton.fused_topk` and returns, per row, the
-    set of the unfused path on the same (Triton) logits; rows shorter than topk list every visible key."""
+def test_the_op_forced_to_the_fused_kernel_gives_the_reference_sets(device):
+    """`ops.ragged_mqa_topk` on an NVIDIA target offers `ragged_mqa_topk.triton.fused_topk` (opt-in: the composition
+    ranks above it) and, forced, returns per row the set of the unfused path on the same (Triton) logits; rows
+    shorter than topk list every visible key."""
     from dsa_indexer import ops
     from dsa_indexer.dispatch.environment import Environment
     from dsa_indexer.dispatch.plugins import default_registry
@@ -268,10 +269,13 @@ def test_the_op_resolves_to_the_fused_kernel_and_gives_the_reference_sets(device
         sm90 = parse_target("sm90")
         res = reg.resolve("ragged_mqa_topk", sm90, ops.problem("ragged_mqa_topk", heads=q.shape[1], dim=128, fp8="fn",
                                                                  k=64))
-        assert res.chosen.impl_id == ("ragged_mqa_topk.triton.fused_topk" if q.shape[1] in (32, 64, 128)
-                                      else "ragged_mqa_topk.generic.composed")
+        assert res.chosen.impl_id == "ragged_mqa_topk.generic.composed"
+        fused = [c for c in res.candidates if c.impl.impl_id == "ragged_mqa_topk.triton.fused_topk"][0]
+        assert fused.accepted and "lower priority" in fused.reason
+        reg.force("ragged_mqa_topk", "ragged_mqa_topk.triton.fused_topk")
         got = ops.ragged_mqa_topk(q, k, k_scales, weights, ks, ke, 64, target=sm90)
         want = ref.topk_indices(triton_logits.ragged_mqa_logits(q, k, k_scales, weights, ks, ke), 64, ke, ks)
         assert [set(r) for r in got.cpu().tolist()] == [set(r) for r in want.cpu().tolist()]
     finally:
+        reg.force("ragged_mqa_topk", None)
         reg.set_environment(previous)

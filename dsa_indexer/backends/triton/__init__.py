@@ -15,9 +15,12 @@ from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 
 TRITON_PRIORITY = 100
-# The fused prefill scoring (`fused_topk.py`) ranks above the composition of the best logits and top-k kernels
-# (generic, 1): measured on the H200 at one V3.2 layer, benchmarks/results/fused_prefill_h200.json.
-FUSED_TOPK_PRIORITY = 50
+# The fused prefill scoring (`fused_topk.py`) ranks BELOW the composition of the best logits and top-k kernels
+# (generic, 2): on the H200 the composition (DeepGEMM logits + the CUDA radix top-k) scored a 128K-token V3.2
+# prefill in 241 ms vs 256 ms fused, and 1M tokens in 20 s vs 49 s (benchmarks/results/prefill_layer_h200.json);
+# the fused kernel holds about half the memory. Opt in with
+# DSA_INDEXER_FORCE=ragged_mqa_topk=ragged_mqa_topk.triton.fused_topk.
+FUSED_TOPK_PRIORITY = 1
 TRITON_TARGETS = ("sm90", "sm100", "sm120", "gfx942", "gfx950", "gfx1250")
 
 # op -> (module in this package, function name)
