@@ -236,18 +236,23 @@ class PrefillBatch:
             return plan
         if self.host_bounds is None:
             self.host_bounds = (self.ks.cpu().long(), self.ke.cpu().long())
-        ks, ke = self.host_bounds
+        ks, ke = (bound.numpy() for bound in self.host_bounds)
         rows = ks.shape[0]
         plan = []
         start = 0
         while start < rows:
-            # cost(stop) = (stop - start) * (ke[stop - 1] - ks[start]) * 4 grows with stop: take the largest stop
-            # within the budget (ke is non-decreasing, so ke[stop - 1] is the chunk's right end).
-            width = ke[start:] - ks[start]
-            cost = torch.arange(1, rows - start + 1) * (width * 4 + row_bytes)
-            stop = start + max(1, int(torch.searchsorted(cost, torch.tensor(budget_bytes), right=True)))
-            plan.append((start, stop, int(ks[start]), int(ke[stop - 1])))
-            start = stop
+            # cost(stop) = (stop - start) * ((ke[stop - 1] - ks[start]) * 4 + row_bytes) never decreases with stop
+            # (ke is non-decreasing): a binary search for the largest stop within the budget, at least one row.
+            base = int(ks[start])
+            lo, hi = start + 1, rows
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (mid - start) * ((int(ke[mid - 1]) - base) * 4 + row_bytes) <= budget_bytes:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            plan.append((start, lo, base, int(ke[lo - 1])))
+            start = lo
         self._plans[(budget_bytes, row_bytes)] = plan
         return plan
 

@@ -129,3 +129,28 @@ def test_prefill_in_chunks_bounds_every_intermediate_and_matches_one_pass(v4, mo
         agree += len(want & {i for i in b if i >= 0})
         total += len(want)
     assert agree / total >= 0.99, agree / total
+
+
+def test_plan_chunks_takes_the_largest_chunk_within_the_budget():
+    """Against a brute-force scan: each chunk is the longest run of rows from its start whose fp32 logits plus row
+    bytes fit the budget (at least one row), for several requests with prefixes."""
+    import random
+
+    from dsa_indexer import PrefillBatch
+
+    rng = random.Random(3)
+    for _ in range(20):
+        prefix = [rng.randrange(0, 300) for _ in range(3)]
+        extend = [rng.randrange(1, 400) for _ in range(3)]
+        pages = max(-(-(p + e) // 64) for p, e in zip(prefix, extend))
+        batch = PrefillBatch.build(prefix, extend, torch.arange(3 * pages).view(3, pages))
+        budget, row_bytes = rng.choice([4096, 50_000, 400_000]), rng.choice([0, 512])
+        ks, ke = batch.ks.tolist(), batch.ke.tolist()
+        start, want = 0, []
+        while start < len(ks):
+            stop = start + 1
+            while stop < len(ks) and (stop + 1 - start) * ((ke[stop] - ks[start]) * 4 + row_bytes) <= budget:
+                stop += 1
+            want.append((start, stop, ks[start], ke[stop - 1]))
+            start = stop
+        assert batch.plan_chunks(budget, row_bytes) == want
