@@ -156,9 +156,15 @@ def test_bounded_prefill_equals_one_pass_on_the_gpu(setup):
         peak = torch.cuda.max_memory_allocated() - base
     finally:
         indexer.logits_budget_bytes = budget
-    # same kernels, same rows: the same set per row (the order within a row is not part of the contract; the top-k
-    # kernels may list a row's keys in another order when its chunk starts at another column)
-    assert torch.equal(chunked.sort(dim=1).values, one_pass.sort(dim=1).values)
+    # The same kernels, but the q-path GEMM runs on chunks of rows: another M can pick another tiling, so q may differ
+    # by one bf16 ulp and keys tied at the k-th place may swap (as between any two GEMMs; see the module docstring).
+    # Rows that see at most k keys list all of them; every row has as many keys; >= 99.9% of the keys agree.
+    valid = (chunked >= 0).sum(1)
+    assert torch.equal(valid, (one_pass >= 0).sum(1))
+    short = (pb.ke - pb.ks) <= cfg.topk
+    assert torch.equal(chunked[short].sort(dim=1).values, one_pass[short].sort(dim=1).values)
+    agree = sum(len(set(a) & set(b) - {-1}) for a, b in zip(chunked.cpu().tolist(), one_pass.cpu().tolist()))
+    assert agree >= 0.999 * int(valid.sum()), f"{agree} of {int(valid.sum())} keys agree"
     output = chunked.numel() * 4
     print(f"bounded prefill: peak extra {peak / 2**20:.1f} MiB for a 16 MiB budget + {output / 2**20:.1f} MiB output")
     assert peak <= 3 * (16 << 20) + output + (64 << 20)  # the budget, the output, the gathered keys and workspaces
