@@ -176,6 +176,19 @@ def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch
                                   f"head dim {dim}")
 
 
+def _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset: int, hadamard: bool) -> None:
+    """The checks every q prologue makes (q [T, H, D], positions, the RoPE table, the head weights)."""
+    v.tensor("q", q, dtype=v.ACT_DTYPES, ndim=3)
+    t, h, d = q.shape
+    if hadamard and d & (d - 1):
+        raise v.IndexerInputError(f"q's head dim must be a power of two for the Hadamard rotation, got {d}")
+    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
+    _check_rope(cos_sin, d, rope_offset, q.device)
+    v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
+    v.finite_number("weight_scale", weight_scale)
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+
+
 def _q_prologue_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                    weight_scale: float, rope_offset: int, interleaved: bool, ue8m0: bool, fp8_dtype: torch.dtype
                    , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,15 +211,7 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     RoPE rotates dims ``[rope_offset, rope_offset + cos_sin.shape[1])``: NeoX pairs (V3.2, offset 0) or
     interleaved pairs (V4, trailing dims). ``head_weights`` is the raw ``weights_proj(x)`` output.
     """
-    v.tensor("q", q, dtype=v.ACT_DTYPES, ndim=3)
-    t, h, d = q.shape
-    if d & (d - 1):
-        raise v.IndexerInputError(f"q's head dim must be a power of two for the Hadamard rotation, got {d}")
-    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
-    _check_rope(cos_sin, d, rope_offset, q.device)
-    v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
-    v.finite_number("weight_scale", weight_scale)
-    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
     fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(q, _target_name(target)).fp8_dtype)
     fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_impl
     return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8,
@@ -562,16 +567,8 @@ def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     ``q_scales`` empty. ``"int8"``: RoPE, Hadamard, symmetric int8 per (token, head): ``q_scales [T, H]`` fp16 =
     ``max(|row|, 1e-4) / 127`` rounded to fp16, ``q_out = round(row / scale)`` in [-127, 127]. In both,
     ``weights = head_weights * weight_scale`` (the q scale is NOT folded in: the int8 kernels take it apart)."""
-    v.tensor("q", q, dtype=v.ACT_DTYPES, ndim=3)
-    t, h, d = q.shape
     _check_format(key_format)
-    if key_format == "int8" and d & (d - 1):
-        raise v.IndexerInputError(f"q's head dim must be a power of two for the Hadamard rotation, got {d}")
-    v.tensor("positions", positions, dtype=(torch.int32, torch.int64), shape=(t,), device=q.device)
-    _check_rope(cos_sin, d, rope_offset, q.device)
-    v.tensor("head_weights", head_weights, dtype=v.ACT_DTYPES, shape=(t, h), device=q.device)
-    v.finite_number("weight_scale", weight_scale)
-    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=key_format == "int8")
     fn = torch.ops.dsa_indexer.q_prologue_plain if _compiling() else _q_prologue_plain_impl
     return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, key_format,
               target=_target_name(target))
