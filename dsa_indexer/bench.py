@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import ops
+from .dispatch.platform import platform_of
 from .dispatch.plugins import default_registry
 from .dispatch.target import Target, detect_target
 
@@ -232,14 +233,27 @@ def _fp8_name(dtype: torch.dtype) -> str:
 
 
 # --- inputs --------------------------------------------------------------------------------------------------------
-def random_cache(num_pages: int, device: torch.device, fp8_dtype: torch.dtype, seed: int = 0):
-    """An index-K cache of random finite fp8 keys with positive scales, generated on ``device`` in chunks (a
-    128 x 128K-token cache is 2 GiB: no host copy of it)."""
+def random_cache(num_pages: int, device: torch.device, fp8_dtype: torch.dtype, seed: int = 0,
+                 layout: str = "paged64_fp8_e4m3"):
+    """An index-K cache of random finite keys with positive scales, generated on ``device`` in chunks (a
+    128 x 128K-token cache is 2 GiB: no host copy of it). ``layout``: the fp8 pages, or a plain layout (bf16 keys,
+    or int8 keys with fp16 scales) for the targets whose kernels read those."""
     from .contract.cache import IndexKCache, page_views
 
-    cache = IndexKCache.allocate(num_pages, device, fp8_dtype)
-    keys, scales = page_views(cache.data, fp8_dtype)
+    cache = IndexKCache.allocate(num_pages, device, fp8_dtype, layout)
     gen = torch.Generator(device=device).manual_seed(seed)
+    if cache.is_plain:
+        for start in range(0, num_pages, 2048):
+            stop = min(num_pages, start + 2048)
+            values = torch.randn(stop - start, *cache.data.shape[1:], device=device, generator=gen)
+            if cache.scales is None:
+                cache.data[start:stop] = values.to(cache.data.dtype)
+            else:
+                cache.data[start:stop] = (values * 40).clamp(-127, 127).round().to(torch.int8)
+                cache.scales[start:stop] = (torch.rand(stop - start, *cache.scales.shape[1:], device=device,
+                                                       generator=gen) * 0.01 + 1e-3).to(torch.float16)
+        return cache
+    keys, scales = page_views(cache.data, fp8_dtype)
     limit = torch.finfo(fp8_dtype).max
     step = 2048
     for start in range(0, num_pages, step):
@@ -268,7 +282,8 @@ def _step_inputs(indexer, batch: int, context: int, device: torch.device, seed: 
     cfg = indexer.config
     gen = torch.Generator().manual_seed(seed)
     pages = -(-context // 64)
-    cache = random_cache(batch * pages, device, indexer.fp8_dtype, seed=seed)
+    layout = platform_of(indexer.target.vendor).cache_layout(cfg.compress_ratio)  # what allocate_cache would pick
+    cache = random_cache(batch * pages, device, indexer.fp8_dtype, seed=seed, layout=layout)
     table = torch.randperm(batch * pages, generator=gen).to(torch.int32).view(batch, pages)
     db = DecodeBatch.build([context] * batch, table, num_cache_pages=batch * pages, device=device)
     x = torch.randn(batch, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)

@@ -308,3 +308,24 @@ def test_dsa_indexer_run_target_npu(npu, capsys):
     assert code in (0, None), out
     assert "lightning_indexer_ragged.npu.torch_npu" in out and "indexer_pipeline.npu.two_stream" in out
     assert "MISMATCH" not in out and "-> OK" in out
+
+
+def test_bench_times_the_npu_step_on_its_own_cache_layout(npu, monkeypatch, capsys):
+    import json
+
+    from dsa_indexer.cli import main
+
+    monkeypatch.setenv("DSA_INDEXER_TARGET", "npu")
+    default_registry().clear_cache()
+    try:
+        code = main(["bench", "--suite", "decode", "--device", "cpu", "--batch", "1", "--context", "2304",
+                     "--repeats", "1", "--json", "-", "--progress", "none"])
+        data = json.loads(capsys.readouterr().out)
+    finally:
+        monkeypatch.delenv("DSA_INDEXER_TARGET")
+        default_registry().clear_cache()
+    assert code == 0, data.get("errors")
+    steps = [r for r in data["rows"] if r["op"] == "indexer_pipeline"]
+    assert {r["details"]["impl_id"] for r in steps} == {NPU_IMPLS[PIPELINE_OP], REFERENCE_IMPLS[PIPELINE_OP]}
+    assert all("plain layout" in r["details"].get("q_lora_quant", "plain layout") for r in steps)
+    assert any(c[0] == "npu_lightning_indexer" for c in npu.calls)  # the step scored through the plain layout
