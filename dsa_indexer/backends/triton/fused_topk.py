@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ...contract import validate as v
 from ...contract.cache import HEAD_DIM
-from .logits import _next_pow2, _ragged_config
+from .logits import _next_pow2, _ragged_config, ragged_key_logits, ragged_q_tile
 from .logits import ragged_mqa_logits as _triton_ragged_logits
 from .topk import topk_indices as _triton_topk_indices
 
@@ -92,21 +92,6 @@ def _value_order_key(x):
 
 
 @triton.jit
-def _key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d,
-                H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Logits [BLOCK_N keys, BLOCK_M rows] of keys n0 .. n0 + BLOCK_N - 1: the same operations, shapes and order as
-    ``logits._ragged_logits_kernel`` (bit-identical results)."""
-    keys = n0 + offs_n
-    key_ok = keys < N
-    k_tile = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-    k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
-    scores = tl.dot(k_tile, q_t)  # [BLOCK_N, BLOCK_M * H] fp32
-    scores = tl.maximum(scores, 0.0) * w[None, :]
-    logits = tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2) * k_scale[:, None]
-    return keys, logits
-
-
-@triton.jit
 def _row_block_setup(q_ptr, w_ptr, ks_ptr, ke_ptr, S, N, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """The program's rows (heaviest, i.e. latest in a causal prefill, first), their windows, the block-aligned
@@ -122,14 +107,7 @@ def _row_block_setup(q_ptr, w_ptr, ks_ptr, ke_ptr, S, N, H: tl.constexpr, D: tl.
     hi_key = tl.max(tl.where(nonempty, ke, 0), axis=0)
     c_start = (lo_key // BLOCK_N) * BLOCK_N  # as in the logits kernel; no window: lo_key = N > hi_key = 0
 
-    cols = tl.arange(0, BLOCK_M * H)
-    col_rows = row_block * BLOCK_M + cols // H
-    col_ok = col_rows < S
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (col_rows.to(tl.int64) * H + cols % H)[:, None] * D + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    q_t = tl.trans(q)  # [D, BLOCK_M * H], K-major
-    w = tl.load(w_ptr + col_rows.to(tl.int64) * H + cols % H, mask=col_ok, other=0.0)
+    q_t, w, offs_d = ragged_q_tile(q_ptr, w_ptr, row_block, S, H, D, BLOCK_M)
     return rows, row_ok, ks, ke, width_row, c_start, hi_key, q_t, w, offs_d
 
 
@@ -154,7 +132,7 @@ def _threshold_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, tau_ptr,
         mean = tl.zeros((BLOCK_M,), tl.float32)
         m2 = tl.zeros((BLOCK_M,), tl.float32)
         for n0 in range(c_start, hi_key, stride * (STAT_EVERY * BLOCK_N)):
-            keys, logits = _key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
+            keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
             use = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :]) & (tl.abs(logits) < float("inf"))
             nb = tl.sum(use.to(tl.float32), axis=0)
             mb = tl.sum(tl.where(use, logits, 0.0), axis=0) / tl.maximum(nb, 1.0)
@@ -179,7 +157,7 @@ def _threshold_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, tau_ptr,
         n_s = tl.zeros((BLOCK_M,), tl.float32)
         row_bins = (tl.arange(0, BLOCK_M) * NBINS)[None, :]
         for n0 in range(c_start, hi_key, stride * BLOCK_N):
-            keys, logits = _key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
+            keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
             use = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :]) & (logits == logits)
             pos = (logits - lo[None, :]) * inv_w[None, :]
             pos = tl.minimum(tl.maximum(pos, 0.0), NBINS - 1.0)
@@ -209,7 +187,7 @@ def _candidates_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, tau_ptr
     sub_count = tl.zeros((BLOCK_N, BLOCK_M), tl.int32)
     cand_rows = cand_ptr + rows.to(tl.int64) * CJ * BLOCK_N
     for n0 in range(c_start, hi_key, BLOCK_N):
-        keys, logits = _key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
+        keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
         visible = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :])
         keep = visible & ((logits >= tau[None, :]) | (logits != logits))
         okey = _value_order_key(logits).to(tl.int64)

@@ -57,6 +57,36 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
+def ragged_q_tile(q_ptr, w_ptr, row_block, S, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The q tile of BLOCK_M rows, [D, BLOCK_M * H] K-major (MMA column c is row c // H, head c % H), its head
+    weights [BLOCK_M * H] and the dim offsets. Shared with the fused top-k (`fused_topk.py`): one layout, so both
+    compute bit-identical logits."""
+    cols = tl.arange(0, BLOCK_M * H)
+    col_rows = row_block * BLOCK_M + cols // H
+    col_ok = col_rows < S
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (col_rows.to(tl.int64) * H + cols % H)[:, None] * D + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    w = tl.load(w_ptr + col_rows.to(tl.int64) * H + cols % H, mask=col_ok, other=0.0)
+    return tl.trans(q), w, offs_d
+
+
+@triton.jit
+def ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d,
+                      H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(keys, logits [BLOCK_N, BLOCK_M]) of keys n0 .. n0 + BLOCK_N - 1 against the q tile (unmasked: callers apply
+    the windows). The one definition of the logits arithmetic, shared with the fused top-k."""
+    keys = n0 + offs_n
+    key_ok = keys < N
+    k_tile = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+    k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
+    scores = tl.dot(k_tile, q_t)  # [BLOCK_N, BLOCK_M * H] fp32
+    scores = tl.maximum(scores, 0.0) * w[None, :]
+    logits = tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2) * k_scale[:, None]
+    return keys, logits
+
+
+@triton.jit
 def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
                           S, N, split_len,
                           H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -82,15 +112,7 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
     lo_key = tl.min(tl.where(nonempty, ks, N), axis=0)
     hi_key = tl.max(tl.where(nonempty, ke, 0), axis=0)
 
-    # The q tile, [BLOCK_M * H, D]: column c of the MMA is (row c // H, head c % H).
-    cols = tl.arange(0, BLOCK_M * H)
-    col_rows = row_block * BLOCK_M + cols // H
-    col_ok = col_rows < S
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (col_rows.to(tl.int64) * H + cols % H)[:, None] * D + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
-    q_t = tl.trans(q)  # [D, BLOCK_M * H], K-major
-    w = tl.load(w_ptr + col_rows.to(tl.int64) * H + cols % H, mask=col_ok, other=0.0)
+    q_t, w, offs_d = ragged_q_tile(q_ptr, w_ptr, row_block, S, H, D, BLOCK_M)
 
     out_rows = out_ptr + rows.to(tl.int64) * N  # [BLOCK_M] row bases
     neg_inf = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
@@ -107,13 +129,8 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
         tl.store(out_rows[None, :] + keys[:, None], neg_inf, mask=row_ok[None, :] & (keys < N)[:, None])
 
     for n0 in range(c_start, c_stop, BLOCK_N):
-        keys = n0 + offs_n
+        keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
         key_ok = keys < N
-        k_tile = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
-        scores = tl.dot(k_tile, q_t)  # [BLOCK_N, BLOCK_M * H] fp32
-        scores = tl.maximum(scores, 0.0) * w[None, :]
-        logits = tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2) * k_scale[:, None]
         visible = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :])
         tl.store(out_rows[None, :] + keys[:, None], tl.where(visible, logits, neg_inf),
                  mask=row_ok[None, :] & key_ok[:, None])
