@@ -461,12 +461,24 @@ class Indexer(nn.Module):
         """Bounded prefill: every key of the batch stored first (a query sees the keys of the tokens before it in
         the same batch), in token blocks for V3.2; then, per planned chunk of rows, the q path and the scoring, so
         no intermediate grows with the batch beyond the budget (the int32 [T, topk] output aside)."""
+        self._store_all_keys(x, positions, key_store, cache, plan)
+        return self._score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
+
+    def _store(self, x, positions, key_store, cache: IndexKCache) -> None:
+        """The k path of ``cache``'s layout: the fp8 pages, or a plain (bf16 / int8) layout."""
+        if cache.is_plain:
+            k_path_plain(self, x, positions, key_store, cache)
+        else:
+            k_path(self, x, positions, key_store, cache.data)
+
+    def _store_all_keys(self, x, positions, key_store, cache: IndexKCache, plan) -> None:
+        """Every key of a bounded prefill's batch, before any scoring: in the plan's token blocks for V3.2; in one
+        call for C4 (the compressor's window reads earlier rows of the same step)."""
         if self.compressor is None:
             for start, stop, _, _ in plan:
-                k_path(self, x[start:stop], positions[start:stop], key_store[start:stop], cache.data)
-        else:  # the compressor's window reads earlier rows of the same step: one call over the batch
-            k_path(self, x, positions, key_store, cache.data)
-        return self._score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
+                self._store(x[start:stop], positions[start:stop], key_store[start:stop], cache)
+        else:
+            self._store(x, positions, key_store, cache)
 
     def _forward_plain(self, strategy, x, q_lora, positions, batch, cache: IndexKCache, q_lora_quant, key_store,
                        decode: bool) -> torch.Tensor:
@@ -477,11 +489,7 @@ class Indexer(nn.Module):
         if not decode and batch.max_keys_per_row > self.config.topk:
             plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
             if len(plan) > 1:
-                if self.compressor is None:
-                    for start, stop, _, _ in plan:
-                        k_path_plain(self, x[start:stop], positions[start:stop], key_store[start:stop], cache)
-                else:
-                    k_path_plain(self, x, positions, key_store, cache)
+                self._store_all_keys(x, positions, key_store, cache, plan)
                 out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
                 for start, stop, _, _ in plan:
                     quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
@@ -521,10 +529,7 @@ class Indexer(nn.Module):
         self._check_positions(batch)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self._compression_step(batch, compressor_state))
-        if cache.is_plain:
-            k_path_plain(self, x, batch.positions, key_store, cache)
-        else:
-            k_path(self, x, batch.positions, key_store, cache.data)
+        self._store(x, batch.positions, key_store, cache)
 
     def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:
         """Rows that see <= topk keys need no logits: the answer is every visible key, then -1."""
