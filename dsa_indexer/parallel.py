@@ -57,6 +57,9 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
     """See the module docstring. Returns ``[T, topk]`` int32 (``gather_output``) or ``(rows, topk_of_rows)``."""
     from .pipeline import k_path
 
+    if isinstance(cache, IndexKCache) and cache.is_plain:
+        raise IndexerInputError(f"context-parallel prefill exchanges the fp8 132-byte key rows; a {cache.layout} cache "
+                                "(the NPU's plain layout) is not supported: run the prefill on one device")
     if not dist.is_available() or not dist.is_initialized():
         raise IndexerInputError("context_parallel_prefill needs an initialized torch.distributed process group "
                                 "(dist.init_process_group('nccl' on GPUs or 'gloo' on CPUs))")

@@ -75,3 +75,10 @@ def test_context_parallel_prefill_needs_a_process_group():
     indexer, cache, batch, x, q_lora = _problem(1)
     with pytest.raises(IndexerInputError, match="initialized torch.distributed process group"):
         context_parallel_prefill(indexer, x, q_lora, batch.positions, batch, cache)
+
+
+def test_context_parallel_prefill_refuses_a_plain_layout_cache():
+    indexer, _, batch, x, q_lora = _problem(1)
+    plain = IndexKCache.allocate(batch.block_table.numel(), layout="paged64_bf16")
+    with pytest.raises(IndexerInputError, match="paged64_bf16 cache .* is not supported"):
+        context_parallel_prefill(indexer, x, q_lora, batch.positions, batch, plain)
