@@ -195,6 +195,9 @@ class DecodeGraph:
             raise IndexerInputError(f"indexer must be an Indexer, got {type(indexer).__name__}")
         if not isinstance(cache, IndexKCache):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
+        if cache.is_plain:
+            raise IndexerInputError(f"CUDA-graph decode captures the fp8-page path; a {cache.layout} cache (the NPU's "
+                                    "plain layout) is not captured: call the indexer eagerly")
         for name, value, low in (("batch_size", batch_size, 1), ("max_context_len", max_context_len, 1),
                                  ("next_n", next_n, 1), ("warmup", warmup, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

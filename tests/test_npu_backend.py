@@ -329,3 +329,11 @@ def test_bench_times_the_npu_step_on_its_own_cache_layout(npu, monkeypatch, caps
     assert {r["details"]["impl_id"] for r in steps} == {NPU_IMPLS[PIPELINE_OP], REFERENCE_IMPLS[PIPELINE_OP]}
     assert all("plain layout" in r["details"].get("q_lora_quant", "plain layout") for r in steps)
     assert any(c[0] == "npu_lightning_indexer" for c in npu.calls)  # the step scored through the plain layout
+
+
+def test_graph_decode_refuses_a_plain_layout_cache():
+    from dsa_indexer.contract.validate import IndexerInputError
+
+    idx = Indexer(V32_SMALL).init_random(0)
+    with pytest.raises(IndexerInputError, match="paged64_bf16 cache .* is not captured"):
+        idx.capture_decode(idx.allocate_cache(2, "paged64_bf16"), batch_size=1, max_context_len=64)
