@@ -117,19 +117,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def capture(fn: Callable[[], object], warmup: int = 2):
-    """Capture ``fn()`` into a CUDA graph after ``warmup`` eager calls on a side stream (first resolutions, JIT
-    compiles and allocator growth stay outside the graph); returns ``(graph, the captured call's output)``."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    """``(graph, output)`` of ``fn`` captured after ``warmup`` side-stream calls (`graphs.capture_graph`)."""
+    from .graphs import capture_graph
+
+    return capture_graph(fn, warmup)
 
 
 class Timer:

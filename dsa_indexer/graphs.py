@@ -26,6 +26,7 @@ The returned tensor is the graph's static output: the next replay overwrites it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -220,18 +221,7 @@ class DecodeGraph:
                                    compressor_state=compressor_state)
 
         with torch.cuda.device(device):
-            # Warm-up on a side stream (the pattern torch.cuda.graphs documents): first resolutions, probes,
-            # Triton / DeepGEMM JIT compiles and allocator growth all happen here, outside the capture.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = step()
+            graph, output = capture_graph(step, warmup, pool)
         return cls(indexer, cache, buffers, graph, output)
 
     @property
@@ -255,3 +245,20 @@ class DecodeGraph:
         rows = self.buffers.load(x, q_lora, seq_lens, block_table, state_slots)
         self.graph.replay()
         return self.output[:rows]
+
+
+def capture_graph(fn: Callable[[], object], warmup: int = 2, pool=None):
+    """Capture ``fn()`` into a CUDA graph after ``warmup`` eager calls on a side stream (the pattern torch.cuda.graphs
+    documents: first resolutions, probes, Triton / DeepGEMM JIT compiles and allocator growth stay outside the
+    capture); returns ``(graph, the captured call's output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
