@@ -106,7 +106,7 @@ def cmd_info(args) -> int:
     print(f"forced: {', '.join(f'{op}={impl}' for op, impl in sorted(forced.items())) or '-'}")
     print(f"\nresolution on {target}:")
     for op in registry.ops():
-        res = registry.resolve(op, target, _problem_for(op, target, {}))
+        res = registry.resolve_runnable(op, target, _problem_for(op, target, {}))
         chosen = res.chosen.impl_id if res.chosen else "NONE"
         note = "  (reference fallback)" if res.is_fallback else ""
         print(f"  {op:<22} -> {chosen}{note}")
@@ -140,8 +140,8 @@ def cmd_explain(args) -> int:
         if op not in registry.ops():
             print(f"unknown op {op!r}; known ops: {', '.join(registry.ops())}", file=sys.stderr)
             return 2
-        print(registry.resolve(op, target, _problem_for(op, target, _parse_facts(args.problem)),
-                               environment=env).explain())
+        print(registry.resolve_runnable(op, target, _problem_for(op, target, _parse_facts(args.problem)),
+                                        environment=env).explain())
         print()
     return 0
 

@@ -76,6 +76,51 @@ def quantize_block_fp8(weight: torch.Tensor, fp8_dtype=torch.float8_e4m3fn) -> t
     return q.contiguous(), scale.contiguous()
 
 
+FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.uint8) if d is not None)
+# (weight key, its block-scale keys): a weight with a scale beside it must be fp8, one without must be a float type.
+SCALED_WEIGHTS = {"wq_b.weight": ("wq_b.weight_scale_inv", "wq_b.scale"), "wk.weight": ("wk.weight_scale_inv",)}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_checkpoint_formats(local: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Every checkpoint tensor's dtype against what its role takes, and every value finite; raises ValueError naming
+    the key and the dtypes. Without it a bf16 ``wq_b.weight`` beside a block scale would be cast to fp8 codes, an fp8
+    weight without its scale would load raw codes as values, and an int8 ``weights_proj`` would be cast: each loads
+    as plausible garbage."""
+    floats = ", ".join(map(_dtype_name, FLOAT_WEIGHT_DTYPES))
+    for key, value in local.items():
+        name = prefix + key
+        scale_keys = SCALED_WEIGHTS.get(key, ())
+        scale_key = next((s for s in scale_keys if s in local), None)
+        if scale_key is not None:
+            if value.dtype not in FP8_WEIGHT_DTYPES:
+                raise ValueError(f"{name} is {_dtype_name(value.dtype)} but {prefix}{scale_key} is beside it: a "
+                                 f"block-scaled weight must be float8_e4m3fn or float8_e4m3fnuz (drop the scale key "
+                                 f"for a {floats} weight)")
+        elif key in ("wq_b.weight_scale_inv", "wk.weight_scale_inv"):
+            if value.dtype not in FLOAT_WEIGHT_DTYPES:
+                raise ValueError(f"{name} is {_dtype_name(value.dtype)}; block scales are {floats}")
+        elif key == "wq_b.scale":
+            if value.dtype not in E8M0_DTYPES + FLOAT_WEIGHT_DTYPES:
+                raise ValueError(f"{name} is {_dtype_name(value.dtype)}; V4's UE8M0 block scale is float8_e8m0fnu "
+                                 f"(or its uint8 bytes), or a float scale ({floats})")
+        elif value.dtype in FP8_WEIGHT_DTYPES and key in SCALED_WEIGHTS:
+            raise ValueError(f"{name} is {_dtype_name(value.dtype)} without its block scale "
+                             f"({' or '.join(prefix + s for s in scale_keys)}): the raw fp8 codes are not the "
+                             "weight's values")
+        elif value.dtype not in FLOAT_WEIGHT_DTYPES:
+            raise ValueError(f"{name} is {_dtype_name(value.dtype)}; this weight is {floats} (never quantized in "
+                             "DeepSeek's checkpoints)")
+        values = e8m0_to_float(value) if key == "wq_b.scale" else value.float()
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{name} holds NaN or inf values")
+
+
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     """UE8M0 scales (``float8_e8m0fnu``: a biased power-of-two exponent per byte, V4's ``wq_b.scale``) -> fp32
     ``2 ** (byte - 127)``; the byte 255 is NaN."""
@@ -206,6 +251,7 @@ class Indexer(nn.Module):
             raise KeyError(f"unexpected checkpoint keys: {', '.join(prefix + k for k in extra)}")
         if "wq_b.weight_scale_inv" in local and "wq_b.scale" in local:
             raise KeyError(f"checkpoint has both {prefix}wq_b.weight_scale_inv and {prefix}wq_b.scale; expected one")
+        check_checkpoint_formats(local, prefix)
         cfg = self.config
         device = self.weights_proj.weight.device
         wq = local["wq_b.weight"]
@@ -383,6 +429,17 @@ class Indexer(nn.Module):
         if batch.max_page >= cache.num_pages:
             raise IndexerInputError(f"batch's block_table uses cache page {batch.max_page} but the cache has "
                                     f"{cache.num_pages} pages: build the batch with num_cache_pages=cache.num_pages")
+        if positions is not batch.positions and check_values(positions):
+            # Keys are stored at the batch's slots (from batch.positions) but RoPE'd at these positions: they must be
+            # the same tokens. Free on the host; a host sync on a device (DSA_INDEXER_CHECK_RANGES=1 turns it on).
+            mismatch = (positions.to(batch.positions.device, torch.long) != batch.positions.long()).nonzero()
+            if mismatch.numel():
+                row = int(mismatch[0, 0])
+                raise IndexerInputError(
+                    f"positions disagree with batch.positions at {mismatch.shape[0]} of {t} rows (first: row {row}, "
+                    f"positions[{row}]={int(positions[row])}, batch.positions[{row}]={int(batch.positions[row])}): "
+                    "keys would be stored at the batch's slots but rotated for other positions; pass "
+                    "batch.positions")
         if check_values(x):
             for name, value in (("x", x), ("q_lora", q_lora)):
                 if not bool(torch.isfinite(value).all()):

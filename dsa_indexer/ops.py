@@ -23,6 +23,7 @@ from .contract.specs import PIPELINE_OP, PROBLEM_KEYS, SPECS  # noqa: F401 (PIPE
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 
 NORMS = ("layernorm", "rmsnorm", "none")
+MAX_PAGES = (2**31 - 1) // PAGE_SIZE  # a page past this has slots beyond int32
 
 OPS = tuple(PROBLEM_KEYS)
 
@@ -370,11 +371,8 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
         raise v.IndexerInputError(f"max_context_len {max_context_len} exceeds the block table's capacity "
                                   f"{block_table.shape[1]} pages x {PAGE_SIZE} = {capacity}")
     v.in_range("context_lens", context_lens, 0, max_context_len + 1, "max_context_len")
-    if v.ranges_checked(block_table):
-        needed = (context_lens.max(dim=1).values.long() + PAGE_SIZE - 1) // PAGE_SIZE
-        used = torch.arange(block_table.shape[1], device=q.device)[None, :] < needed[:, None]
-        entries = block_table[used]
-        v.in_range("block_table", entries, 0, kv_cache.shape[0], "cache pages, for the pages a context uses")
+    v.used_pages_in_range("block_table", block_table, context_lens.max(dim=1).values, PAGE_SIZE, kv_cache.shape[0],
+                          "cache pages, for the pages a context uses")
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
@@ -434,6 +432,10 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
         if width is not None and r and int(width.max()) > block_table.shape[1] * PAGE_SIZE:
             raise v.IndexerInputError(f"a row sees {int(width.max())} keys but block_table maps only "
                                       f"{block_table.shape[1] * PAGE_SIZE} positions")
+        if width is not None:  # no cache here to bound the pages by: they must be >= 0 and give int32 slots
+            v.used_pages_in_range("block_table", block_table, width, PAGE_SIZE, MAX_PAGES,
+                                  "cache pages whose slots fit int32, for the pages a row's window uses",
+                                  table_rows=row_request)
     fn = torch.ops.dsa_indexer.topk_indices if _compiling() else _topk_indices_impl
     return fn(logits, k, ends, starts, block_table, row_request, target=_target_name(target))
 

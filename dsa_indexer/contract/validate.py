@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Sequence
 
 import torch
+
+from ..envflags import env_flag
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,7 +67,20 @@ def ranges_checked(t: torch.Tensor) -> bool:
     impossible while torch.compile traces (values are symbolic there; the eager call checks them)."""
     if torch.compiler.is_compiling():
         return False
-    return t.device.type == "cpu" or os.environ.get(CHECK_RANGES_ENV, "0") not in ("", "0")
+    return t.device.type == "cpu" or env_flag(CHECK_RANGES_ENV)
+
+
+def used_pages_in_range(name: str, block_table: torch.Tensor, keys: torch.Tensor, page_size: int, high: int,
+                        what: str, table_rows: torch.Tensor | None = None) -> None:
+    """The block-table entries a row actually uses (its first ``ceil(keys / page_size)`` pages; ``table_rows`` maps
+    each row to its block-table row, default row r -> r) lie in ``[0, high)``: a -1 or stale page there would turn
+    into negative or foreign slots. Entries past a row's keys are padding and may hold anything."""
+    if block_table.numel() == 0 or keys.numel() == 0 or not ranges_checked(block_table):
+        return
+    table = block_table if table_rows is None else block_table[table_rows.long()]
+    needed = (keys.long().clamp_min(0) + page_size - 1) // page_size
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
+    in_range(name, table[used], 0, high, what)
 
 
 def in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:

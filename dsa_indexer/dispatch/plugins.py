@@ -21,6 +21,7 @@ from typing import Any
 
 import pluggy
 
+from ..envflags import env_flag
 from .registry import Registry
 
 PROJECT = "dsa_indexer"
@@ -102,7 +103,7 @@ def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
             continue
         _register_one(registry, manager, module_name.rsplit(".", 1)[-1], module)
     if entry_points is None:
-        entry_points = os.environ.get(AUTOLOAD_ENV, "0") in ("", "0", "false", "no")
+        entry_points = not env_flag(AUTOLOAD_ENV)
     if not entry_points:
         return manager
     allowed = {n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}

@@ -13,12 +13,14 @@ they say no: ``available(target, env)`` and ``supports(problem, target)``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from ..envflags import env_flag
 from .environment import Environment
 from .problem import Problem
 from .target import Target, reload_environment
@@ -46,6 +48,9 @@ class Implementation:
     description: str = ""
     origin: str = "?"
     info: Mapping[str, Any] = field(default_factory=dict)  # op-specific facts, e.g. a GEMM's input layout
+    # A composition (it calls other ops) receives the resolved target as ``target=``, so its inner resolutions are
+    # made for the same target (and strict mode applies to them) instead of re-detecting from the tensors' device.
+    takes_target: bool = False
 
     def __post_init__(self) -> None:
         parts = self.impl_id.split(".")
@@ -183,14 +188,14 @@ class Registry:
 
     def implementation(self, op: str, *, impl_id: str, targets: Iterable[str], priority: int,
                        requires: Iterable[str] = (), available: Check | None = None, supports: Check | None = None,
-                       description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None
-                       ) -> Callable[[Callable], Callable]:
+                       description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None,
+                       takes_target: bool = False) -> Callable[[Callable], Callable]:
         """Decorator form: the decorated function is the factory returning the kernel callable."""
 
         def wrap(factory: Callable[[], Callable]) -> Callable[[], Callable]:
             self.register(Implementation(op, impl_id, tuple(targets), priority, factory, tuple(requires), available,
                                          supports, description or (factory.__doc__ or "").strip().split("\n")[0],
-                                         origin, dict(info or {})))
+                                         origin, dict(info or {}), takes_target))
             return factory
 
         return wrap
@@ -252,7 +257,7 @@ class Registry:
     def _strict(self) -> bool:
         if self._overrides.strict is not None:
             return self._overrides.strict
-        return os.environ.get(STRICT_ENV, "0") not in ("", "0", "false", "no")
+        return env_flag(STRICT_ENV)
 
     def _invalidate(self) -> None:
         self._fn_cache = {}
@@ -297,6 +302,26 @@ class Registry:
             res = Resolution(op, target, problem, chosen, tuple(candidates), forced, env.name,
                              tuple(self.plugins_failed))
             self._resolution_cache[key] = res
+            return res
+
+    def resolve_runnable(self, op: str, target: Target, problem: Problem | None = None, *,
+                         environment: Environment | None = None) -> Resolution:
+        """`resolve`, with the chosen implementation's factory built (as the first call would build it): a factory
+        that fails marks that implementation rejected with the reason and resolution moves on, so what
+        `dsa-indexer info` / `explain` report is what a call runs. A simulated environment builds nothing (its
+        facts are assumptions; the vendor code behind them is not there to build)."""
+        env = environment or self.environment
+        while True:
+            res = self.resolve(op, target, problem, environment=env)
+            if res.chosen is None or env.simulated:
+                return res
+            try:
+                self._factory_result(res.chosen)
+            except Exception as exc:  # noqa: BLE001 - recorded as the implementation's reason, as in function()
+                with self._lock:
+                    self._broken[res.chosen.impl_id] = f"factory failed: {type(exc).__name__}: {exc}"
+                    self._invalidate()
+                continue
             return res
 
     @staticmethod
@@ -356,6 +381,8 @@ class Registry:
                 warnings.warn(f"dsa_indexer: {res.chosen.impl_id} could not be built, falling back ({reason})",
                               RuntimeWarning, stacklevel=2)
                 continue
+            if res.chosen.takes_target:
+                fn = functools.partial(fn, target=target)
             self.used[key] = res
             self._fn_cache[key] = fn
         return fn

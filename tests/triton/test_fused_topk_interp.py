@@ -182,15 +182,16 @@ def test_tied_pairs_through_the_sampled_path(device):
         assert stats["long_rows"] == 12 and stats["fallback_rows"] <= 2, stats
 
 
-def test_nan_logits_rank_first(device):
-    """A NaN key scale makes that column NaN in every row: the reference's sort puts NaN first."""
+def test_nan_logits_rank_as_neg_inf(device):
+    """A NaN key scale makes that column NaN in every row: the NaN rule ranks it as -inf, so with enough finite
+    columns it is never selected."""
     topk = 16
     ks, ke, n = _causal_windows([10], [200], device)
     q, k, k_scales, weights = _inputs(ks.numel(), n, 64, device, seed=5)
     k_scales[[3, 150, 201]] = float("nan")
     out, _ = _run(q, k, k_scales, weights, ks, ke, topk, capacity=128, target=40)
     _assert_equal(out, _expected(q, k, k_scales, weights, ks, ke, topk))
-    assert out[:, 0].tolist() == [3] * 10 and out[:, 1].tolist() == [150] * 10
+    assert not bool(((out == 3) | (out == 150) | (out == 201)).any())
 
 
 def test_offset_logits_keep_few_fallbacks(device):

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from ...contract.cache import LAYOUT_PAGED64
+from ...envflags import EnvironmentFlagError, env_flag
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
 from ...ops import PIPELINE_OP
@@ -94,7 +95,11 @@ def supports(problem: Problem, target: Target) -> str | None:
     layout = problem.get("cache", LAYOUT_PAGED64)
     if layout != LAYOUT_PAGED64:
         return f"writes the {LAYOUT_PAGED64} cache, not {layout}"
-    if os.environ.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    try:
+        enabled = env_flag(ENABLE_ENV, default=True)
+    except EnvironmentFlagError as exc:  # a reason, not a crash inside resolution: explain shows it
+        return str(exc)
+    if not enabled:
         return f"disabled by {ENABLE_ENV}=0"
     limit = max_tokens()
     if isinstance(limit, str):

@@ -81,7 +81,8 @@ def make_topk_indices(module: ModuleType) -> Callable[..., torch.Tensor]:
         offsets = zeros.get(key)
         if offsets is None:
             offsets = zeros.setdefault(key, torch.zeros(rows, dtype=torch.int32, device=logits.device))
-        x = logits if logits.stride(-1) == 1 else logits.contiguous()
+        # The NaN rule (a NaN ranks as -inf) in one elementwise pass: FlashInfer's own NaN order is not documented.
+        x = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         out = ragged(x, offsets, ends.to(torch.int32).contiguous(), k, deterministic=True, tie_break=small)
         return out if out.dtype == torch.int32 else out.to(torch.int32)
 

@@ -26,7 +26,8 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 def ue8m0_round_up(scale: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= ``scale``, exactly (fp32 ``exp2(ceil(log2(s)))`` can round down)."""
     mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+    rounded = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+    return torch.where(torch.isnan(scale), scale, rounded)  # frexp(NaN) has exponent 0: keep NaN a NaN
 
 
 def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False,
@@ -196,7 +197,9 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     ends_l = ends.long()
     col = torch.arange(cols, device=device)
     visible = (col >= starts_l[:, None]) & (col < ends_l[:, None])
-    masked = torch.where(visible, logits.float(), torch.full_like(logits, float("-inf"), dtype=torch.float32))
+    # The NaN rule (every backend): a NaN score ranks exactly as -inf, so it is never selected ahead of a number.
+    scores = logits.float().masked_fill(torch.isnan(logits), float("-inf"))
+    masked = torch.where(visible, scores, torch.full_like(scores, float("-inf")))
     take = min(k, cols)
     # A stable descending sort keeps the lower index first among equal values: the tie rule. A second stable sort
     # on visibility keeps a visible -inf logit ahead of the masked columns it ties with.

@@ -22,7 +22,7 @@ Design (exact; three launches per row chunk, then one host sync):
    then expected to keep ``target`` candidates. Value bins (not float-key bins) stay sharp when the logits sit at
    a large offset from 0 relative to their spread. Other rows get tau = -inf (take every column).
 2. ``_candidates_kernel``: the same programs walk every key block of their rows' windows in key order (the real
-   cost: one MMA pass, as in the unfused logits kernel) and keep the columns with value >= tau (and any NaN) as
+   cost: one MMA pass, as in the unfused logits kernel) and keep the columns with value >= tau (NaN counts as -inf) as
    int64 sort keys ``(~order_key(value) as signed 32 bits) << 32 | column`` (ascending key = the reference
    order). Appending without any communication between threads: key offset j of a block (0 <= j < BLOCK_N) goes
    to the row's sub-buffer j (slots j, j + BLOCK_N, j + 2 BLOCK_N, ... of the row's C = CJ * BLOCK_N), with a
@@ -82,7 +82,7 @@ _CAND_LAUNCH: dict = {}  # extra launch options of the candidates kernel (tuning
 
 @triton.jit
 def _value_order_key(x):
-    """fp32 -> uint32 with the float order (NaN above +inf; -0.0 equal to +0.0)."""
+    """fp32 -> uint32 with the float order (-0.0 equal to +0.0; callers map NaN to -inf first)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)  # -0.0 -> +0.0
     neg = (bits >> 31) == 1
@@ -189,7 +189,8 @@ def _candidates_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, tau_ptr
     for n0 in range(c_start, hi_key, BLOCK_N):
         keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
         visible = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :])
-        keep = visible & ((logits >= tau[None, :]) | (logits != logits))
+        logits = tl.where(logits != logits, float("-inf"), logits)  # the NaN rule: a NaN score ranks as -inf
+        keep = visible & (logits >= tau[None, :])
         okey = _value_order_key(logits).to(tl.int64)
         sort_key = ((0x7FFFFFFF - okey) << 32) | (keys[:, None] - ks[None, :]).to(tl.int64)
         tl.store(cand_rows[None, :] + (sub_count * BLOCK_N + offs_n[:, None]), sort_key,

@@ -72,6 +72,13 @@ def ragged_q_tile(q_ptr, w_ptr, row_block, S, H: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
+def relu_keeping_nan(x):
+    """``relu`` as torch computes it: NaN stays NaN (``tl.maximum(x, 0)`` would turn it into 0, a plausible score
+    where the reference has NaN; the top-k then ranks the NaN as -inf on every backend)."""
+    return tl.where(x < 0.0, 0.0, x)
+
+
+@triton.jit
 def ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d,
                       H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(keys, logits [BLOCK_N, BLOCK_M]) of keys n0 .. n0 + BLOCK_N - 1 against the q tile (unmasked: callers apply
@@ -81,7 +88,7 @@ def ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d,
     k_tile = tl.load(k_ptr + keys.to(tl.int64)[:, None] * D + offs_d[None, :], mask=key_ok[:, None], other=0.0)
     k_scale = tl.load(k_scale_ptr + keys, mask=key_ok, other=0.0)
     scores = tl.dot(k_tile, q_t)  # [BLOCK_N, BLOCK_M * H] fp32
-    scores = tl.maximum(scores, 0.0) * w[None, :]
+    scores = relu_keeping_nan(scores) * w[None, :]
     logits = tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2) * k_scale[:, None]
     return keys, logits
 
@@ -233,7 +240,7 @@ def _paged_logits_kernel(q_ptr, kv_ptr, kv_scale_ptr, w_ptr, ctx_ptr, bt_ptr, ou
                          mask=in_ctx[:, None], other=0.0)
         k_scale = tl.load(kv_scale_ptr + page * PAGE_WORDS + (PAGE * D) // 4 + slot, mask=in_ctx, other=0.0)
         scores = tl.dot(k_tile, q_t)  # [TILE, NN * H] fp32
-        scores = tl.maximum(scores, 0.0) * w[None, :]
+        scores = relu_keeping_nan(scores) * w[None, :]
         logits = tl.sum(tl.reshape(scores, (TILE, NN, H)), axis=2) * k_scale[:, None]
         visible = pos[:, None] < lens[None, :]
         tl.store(out_rows[None, :] + pos[:, None], tl.where(visible, logits, neg_inf),

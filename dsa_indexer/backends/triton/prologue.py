@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_BYTES, PAGE_SIZE, page_views
-from .quant import fp8_group_scale, fp8_max, fp8_min_exp, interpreted, quantize_groups
+from .quant import abs_max, fp8_group_scale, fp8_max, fp8_min_exp, interpreted, nan_maximum, quantize_groups
 
 HEAD_DIM = 128
 _NORMS = {"none": 0, "layernorm": 1, "rmsnorm": 2}
@@ -240,8 +240,7 @@ def _hadamard_quarters(x0, x1, x2, x3, QW: tl.constexpr, INTERPRET: tl.constexpr
 def _quant_quarters(y0, y1, y2, y3, FMAX: tl.constexpr, MIN_EXP: tl.constexpr, UE8M0: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """Per-row fp8 quant of a row held as four quarters: (q0..q3 ready for the fp8 cast, scale [BLOCK_M])."""
-    amax = tl.maximum(tl.maximum(tl.max(tl.abs(y0), axis=1), tl.max(tl.abs(y1), axis=1)),
-                      tl.maximum(tl.max(tl.abs(y2), axis=1), tl.max(tl.abs(y3), axis=1)))
+    amax = nan_maximum(nan_maximum(abs_max(y0, 1), abs_max(y1, 1)), nan_maximum(abs_max(y2, 1), abs_max(y3, 1)))
     scale, inv = fp8_group_scale(amax, FMAX, UE8M0)
     s = scale[:, None]
     r = inv[:, None]

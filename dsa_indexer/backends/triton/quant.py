@@ -89,19 +89,34 @@ def round_to_dtype_grid(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """``max(|x|)`` along ``axis``, NaN when any element is NaN (``tl.max`` alone skips NaN, which would give a NaN
+    group a finite scale and clamp its NaN to +-FMAX: a plausible wrong value instead of the reference's NaN)."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.abs(x), axis=axis))
+
+
+@triton.jit
+def nan_maximum(a, b):
+    """Elementwise max that keeps NaN (like torch.maximum)."""
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
 def fp8_group_scale(amax, FMAX: tl.constexpr, UE8M0: tl.constexpr):
-    """``(s, 1/s)`` with ``s = max(amax, 1e-4) / FMAX``, rounded up to a power of two when ``UE8M0``.
+    """``(s, 1/s)`` with ``s = max(amax, 1e-4) / FMAX``, rounded up to a power of two when ``UE8M0``; a NaN amax
+    (see `abs_max`) gives a NaN scale, as in the reference, so every score that uses the group is NaN.
 
     Both are correctly rounded (``div_rn``); they are per group, so their cost does not matter.
     """
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), FMAX)
+    scale = tl.math.div_rn(nan_maximum(amax, 1e-4), FMAX)
     if UE8M0:
         # s is a positive normal fp32: 2**ceil(log2(s)) keeps s when its mantissa is zero, otherwise it is the
         # next power of two (exponent + 1, mantissa cleared).
         bits = scale.to(tl.int32, bitcast=True)
         exp_bits = bits & 0x7F800000
         bits = tl.where((bits & 0x7FFFFF) != 0, exp_bits + 0x800000, exp_bits)
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = tl.where(amax != amax, amax, bits.to(tl.float32, bitcast=True))
     return scale, tl.math.div_rn(1.0, scale)
 
 
@@ -122,10 +137,10 @@ def div_by_scale(x, scale, inv_scale):
 def quantize_groups(x, scale, inv_scale, FMAX: tl.constexpr, MIN_EXP: tl.constexpr, INTERPRET: tl.constexpr):
     """``clamp(x / scale, -FMAX, FMAX)`` in fp32, ready for the cast to fp8 (``scale`` broadcasts)."""
     y = div_by_scale(x, scale, inv_scale)
-    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    clamped = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     if INTERPRET:
-        y = round_to_fp8_grid(y, MIN_EXP)
-    return y
+        clamped = round_to_fp8_grid(clamped, MIN_EXP)
+    return tl.where(y != y, y, clamped)  # NaN stays NaN (min / max would turn it into a bound)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,7 +158,7 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups,
     mask = gmask[:, None] & (cols[None, :] < GROUP)
     offs = groups[:, None] * GROUP + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale, inv = fp8_group_scale(tl.max(tl.abs(x), axis=1), FMAX, UE8M0)
+    scale, inv = fp8_group_scale(abs_max(x, 1), FMAX, UE8M0)
     q = quantize_groups(x, scale[:, None], inv[:, None], FMAX, MIN_EXP, INTERPRET)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + groups, scale, mask=gmask)
@@ -205,7 +220,7 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, normed_ptr, q_ptr, s_ptr, n_rows, width,
     tl.store(normed_ptr + offs, normed, mask=mask)
 
     normed = normed.to(tl.float32)
-    scale, inv = fp8_group_scale(tl.max(tl.abs(normed), axis=2), FMAX, UE8M0)  # [R, G]
+    scale, inv = fp8_group_scale(abs_max(normed, 2), FMAX, UE8M0)  # [R, G]
     q = quantize_groups(normed, scale[:, :, None], inv[:, :, None], FMAX, MIN_EXP, INTERPRET)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     s_offs = rows[:, None] * n_groups + g[None, :]

@@ -68,14 +68,18 @@ def config_override(**cfg):
 # Building blocks shared by both paths
 
 
+NEG_INF_KEY: tl.constexpr = tl.constexpr(0x007FFFFF)  # _order_key(-inf): ~0xFF800000
+
+
 @triton.jit
 def _order_key(x):
-    """fp32 -> uint32 whose unsigned order is the float order (-0.0 == +0.0, NaN largest)."""
+    """fp32 -> uint32 whose unsigned order is the float order (-0.0 == +0.0), with every NaN given the key of -inf:
+    the library's NaN rule (a NaN score ranks exactly as -inf, never ahead of a number)."""
     u = x.to(tl.uint32, bitcast=True)
     u = tl.where(u == 0x80000000, tl.zeros_like(u), u)
     flipped = tl.where((u >> 31) != 0, ~u, u | 0x80000000)
     is_nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(is_nan, tl.full(u.shape, 0xFFFFFFFF, tl.uint32), flipped)
+    return tl.where(is_nan, tl.full(u.shape, NEG_INF_KEY, tl.uint32), flipped)
 
 
 @triton.jit
