@@ -170,34 +170,114 @@ def test_paged_logits_on_rocm_take_aiters_block_kernel_for_next_n_1(registry, ta
     assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
 
 
-def test_paged_adapter_marshals_the_block_level_call():
-    """A DOUBLE of aiter's block-level deepgemm_fp8_paged_mqa_logits (its documented signature; it computes the
-    reference into out_logits) records the call: 1-D lengths, the block table, KVBlockSize 64, -inf pre-filled."""
-    from dsa_indexer.backends.rocm import paged
+def _paged_case(seed, heads=16, requests=3, fp8=torch.float8_e4m3fn):
+    """Random 64-token pages (a pool larger than the table), ragged lengths that are not multiples of 64, a
+    shuffled block table, next_n 1: (q, cache, weights, lens [B, 1], table, max_context_len)."""
     from dsa_indexer.testing import random_cache
 
-    calls = []
+    gen = torch.Generator().manual_seed(seed)
+    width = 5
+    pool = requests * width + 2
+    cache = random_cache(pool, "cpu", seed=seed).data
+    table = torch.randperm(pool, generator=gen)[: requests * width].to(torch.int32).view(requests, width)
+    lens = torch.randint(1, width * 64, (requests, 1), generator=gen, dtype=torch.int32)
+    lens[lens % 64 == 0] += 1
+    q = (torch.randn(requests, 1, heads, 128, generator=gen) * 30).to(fp8)
+    w = torch.randn(requests, heads, generator=gen)
+    return q, cache, w, lens, table, width * 64
 
-    def deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
-                                      Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
-                                      VarCtxSchedule=None):
-        calls.append((context_lens.clone(), kv_indices, KVBlockSize, Preshuffle, torch.isinf(out_logits).all()))
-        lens2d = context_lens.view(-1, 1)
-        out_logits.copy_(ref.paged_mqa_logits(q_fp8, kv_cache, weights, lens2d, kv_indices, max_model_len))
 
-    assert paged._takes_block_size(deepgemm_fp8_paged_mqa_logits)
-    fn = paged.make_paged_mqa_logits("wrapper", deepgemm_fp8_paged_mqa_logits)
-    cache = random_cache(6, "cpu", seed=2)
-    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
-    q = (torch.randn(2, 1, 16, 128) * 30).to(torch.float8_e4m3fn)
-    w = torch.randn(2, 16)
-    lens = torch.tensor([[130], [7]], dtype=torch.int32)
-    got = fn(q, cache.data, w, lens, table, 192)
-    assert torch.equal(got, ref.paged_mqa_logits(q, cache.data, w, lens, table, 192))
-    (seen_lens, seen_table, block, preshuffle, prefilled), = calls
-    assert seen_lens.tolist() == [130, 7] and seen_table is not None and block == 64 and not preshuffle and prefilled
+def _close(got, want):
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isneginf(got), ~finite), "-inf pattern differs"
+    return float((got - want)[finite].abs().max() / want[finite].abs().max())
+
+
+@pytest.mark.parametrize("triton_version, gfx", [("3.5.0", "gfx950"), ("3.5.0", "gfx942"), ("3.4.0", "gfx950")])
+def test_paged_double_keeps_upstreams_routing(monkeypatch, triton_version, gfx):
+    """The double is only useful if it keeps upstream's rules: with Triton >= 3.5 on a Gluon arch,
+    Preshuffle=False with KVBlockSize 64 reads page size 1 (wrong keys, no error: relative error ~1); on older
+    Triton the same call reaches the plain kernel (right); gfx1250 asserts KVBlockSize == 1."""
+    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
+    wrapper = fake.paged_wrapper_module.deepgemm_fp8_paged_mqa_logits
+    q, cache, w, lens, table, width = _paged_case(4)
+    want = ref.paged_mqa_logits(q, cache, w, lens, table, width)
+    out = torch.full_like(want, float("-inf"))
+    wrapper(q, cache, w, out, lens.view(-1), table, width, Preshuffle=False, KVBlockSize=64)
+    finite = torch.isfinite(want)
+    gluon = fake.paged_wrapper_module.enable_gluon_pa_mqa_logits
+    assert gluon == (triton_version >= "3.5")
+    rel = float((out - want)[finite].abs().max() / want[finite].abs().max())
+    assert rel > 0.5 if gluon else rel < 1e-5
+    if gluon:  # the preshuffled addressing on this row-major cache is wrong too
+        out = torch.full_like(want, float("-inf"))
+        wrapper(q, cache, w, out, lens.view(-1), table, width, Preshuffle=True, KVBlockSize=64)
+        assert float((out - want)[finite].abs().max() / want[finite].abs().max()) > 0.5
+    else:
+        with pytest.raises(AssertionError, match="only supported on gluon"):
+            wrapper(q, cache, w, out, lens.view(-1), table, width, Preshuffle=True, KVBlockSize=64)
+    _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx1250"))
+    with pytest.raises(AssertionError, match="KVBlockSize==1"):
+        sys.modules["aiter.ops.triton.attention.pa_mqa_logits"].deepgemm_fp8_paged_mqa_logits(
+            q, cache, w, out, lens.view(-1), table, width, Preshuffle=False, KVBlockSize=64)
+
+
+@pytest.mark.parametrize("triton_version, gfx", [("3.5.0", "gfx950"), ("3.5.0", "gfx942"), ("3.4.0", "gfx950"),
+                                                 ("3.5.0", "gfx1250")])
+def test_registered_paged_adapter_reads_64_token_pages_whatever_aiter_routes(monkeypatch, triton_version, gfx):
+    """The registered factory (what resolution runs) over aiter main's doubles: equal to the reference on 64-token
+    pages wherever aiter's wrapper would route to its page-size-1 Gluon kernel, because it launches the plain
+    kernel itself: every program of the grid, all visible columns written, the wrapper never called."""
+    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
+    reg = Registry(environment=WITH_AITER)
+    load_plugins(reg, entry_points=False)
+    problem = Problem(heads=16, dim=128, next_n=1, fp8="fn")
+    fn = reg.function("paged_mqa_logits", GFX950, problem)
+    assert reg.used[("paged_mqa_logits", GFX950, problem)].chosen.impl_id == "paged_mqa_logits.rocm.aiter"
+    for seed in (1, 2, 3):
+        args = _paged_case(seed)
+        assert _close(fn(*args), ref.paged_mqa_logits(*args)) < 1e-5
+    assert fake.paged_wrapper_module.wrapper_calls == []
+    (grid, kw), *_ = fake.paged_kernel_module._deepgemm_fp8_paged_mqa_logits.launches
+    assert kw["KVBlockSize"] == 64 and kw["stride_k_token"] == 128 and kw["stride_k_block"] == 64 * 132
+    assert kw["stride_scale_token"] == 1 and kw["stride_scale_block"] == 64 * 132 // 4
+    assert grid[0] == 3 * kw["SplitKV"]
+
+
+def test_paged_wrapper_launch_only_where_aiter_routes_to_the_plain_kernel(monkeypatch):
+    from dsa_indexer.backends.rocm import paged
+
+    _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
+    with pytest.raises(RuntimeError, match="_gluon_deepgemm_fp8_paged_mqa_logits.*page size 1"):
+        paged.make_paged_mqa_logits("wrapper")
+    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.4.0", gfx="gfx950"))
+    fn = paged.make_paged_mqa_logits("wrapper")
+    args = _paged_case(5)
+    assert _close(fn(*args), ref.paged_mqa_logits(*args)) < 1e-5
+    assert fake.paged_wrapper_module.wrapper_calls == [dict(Preshuffle=False, KVBlockSize=64, ChunkK=256)]
+    del fake.paged_wrapper_module.enable_gluon_pa_mqa_logits  # an aiter that does not say where it routes
+    with pytest.raises(RuntimeError, match="cannot be told"):
+        paged.make_paged_mqa_logits("wrapper")
     with pytest.raises(ValueError, match="next_n 1"):
-        fn(q.view(1, 2, 16, 128), cache.data, w, lens.view(1, 2), table[:1], 192)
+        q, cache, w, lens, table, width = args
+        paged.make_paged_mqa_logits("kernel")(q.view(1, 3, 16, 128), cache, w, lens.view(1, 3), table[:1], width)
+
+
+def test_paged_self_test_catches_the_gluon_route_and_passes_the_kernel_launch(monkeypatch):
+    from dsa_indexer.backends.rocm import paged
+
+    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
+    paged.check_paged_adapter(paged.make_paged_mqa_logits("kernel"), "cpu", heads=16)
+    wrapper = fake.paged_wrapper_module.deepgemm_fp8_paged_mqa_logits
+
+    def old_adapter(q, kv_cache, weights, context_lens, block_table, max_context_len):  # the call of main before
+        out = torch.full((q.shape[0], max_context_len), float("-inf"))
+        wrapper(q, kv_cache, weights.float(), out, context_lens.view(-1).to(torch.int32), block_table,
+                max_context_len, Preshuffle=False, KVBlockSize=64, ChunkK=256)
+        return out
+
+    with pytest.raises(AssertionError, match="paged logit error|-inf pattern"):
+        paged.check_paged_adapter(old_adapter, "cpu", heads=16)
 
 
 @pytest.mark.skipif(not (Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[1] / ".deps" /
@@ -350,6 +430,119 @@ def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch
     assert aiter_api.detected_api().ragged_self_test.startswith("AssertionError: row 0")
 
 
+def test_probe_self_tests_the_paged_path_and_turns_off_only_it(monkeypatch, tmp_path, registry):
+    """aiter main's doubles (Triton 3.5, gfx950): the probe finds the plain paged kernel, reports the wrapper's
+    Gluon route as not used, self-tests the kernel launch on 64-token pages. A kernel that ignores KVBlockSize
+    (reads page size 1) fails the self-test: only paged_mqa_logits.rocm.aiter is off, with the reason in explain."""
+    prebuilt = ("module_top_k_per_row", "module_gemm_a8w8_blockscale")
+    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"),
+                               jit=dict(tmp_path=tmp_path, prebuilt=prebuilt))
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    assert api.paged_logits == ("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits."
+                                "_deepgemm_fp8_paged_mqa_logits")
+    assert api.paged_self_test is None and api.ragged_self_test is None and api.unbuilt == {}
+    assert "page size 1" in api.paged_wrapper_route and "not used" in api.describe()
+    assert fake.paged_kernel_module._deepgemm_fp8_paged_mqa_logits.launches  # the self-test ran the kernel
+
+    real_run = PlainPagedKernelDouble._run
+
+    def page_size_one(programs, **kw):  # a kernel that addresses block_table[b, t] and token 0: wrong keys
+        real_run(programs, **{**kw, "KVBlockSize": 1, "stride_k_token": 0, "stride_scale_token": 0,
+                              "max_blk_len": kw["max_blk_len"] * 64})
+
+    monkeypatch.setattr(PlainPagedKernelDouble, "_run", staticmethod(page_size_one))
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    assert api.paged_self_test and api.ragged_self_test is None
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-paged")
+    res = registry.resolve("paged_mqa_logits", GFX950, Problem(heads=64, dim=128, next_n=1, fp8="fn"),
+                           environment=probed)
+    assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
+    assert "paged logits self-test (64-token pages) failed" in _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    assert "paged logits self-test (64-token pages) failed: AssertionError" in res.explain()
+    res = registry.resolve("ragged_mqa_logits", GFX950, _ragged(GFX950), environment=probed)
+    assert res.chosen.impl_id == "ragged_mqa_logits.rocm.aiter"
+
+
+def test_aiter_0_1_7_provides_no_paged_logits_and_says_which_aiter_does(monkeypatch, tmp_path, registry):
+    """An aiter without the block-level kernel (0.1.7's paths): the probe passes, paged logits are absent, and the
+    reason names what is needed and where it was found."""
+    _install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_top_k_per_row",)))
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    assert api.paged_logits is None and "paged logits: - (needs the block-level Triton kernel" in api.describe()
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-017")
+    res = registry.resolve("paged_mqa_logits", GFX950, Problem(heads=64, dim=128, next_n=1, fp8="fn"),
+                           environment=probed)
+    reason = _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    assert "has no function for paged_mqa_logits" in reason and "e4048607" in reason
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed)
+    assert "stable=True) (ROCm/aiter main e4048607" in _candidate(res, "topk_indices.rocm.aiter_stable").reason
+
+
+@pytest.mark.parametrize("how", ["absent", "rebuild", "jit_dir", "package"])
+def test_compiled_modules_must_be_prebuilt_never_built_in_a_call(monkeypatch, tmp_path, registry, how):
+    """HIP / CK modules that aiter would build with hipcc at the first call: an implementation needing one that is
+    not built is off, with how to prebuild it; built ones (in aiter/jit or $AITER_JIT_DIR) are used; AITER_REBUILD
+    (rebuild at the first call) counts as not built."""
+    prebuilt = () if how == "absent" else ("module_top_k_per_row",)
+    fake = _install_fake_aiter(monkeypatch, with_stable=True,
+                               jit=dict(tmp_path=tmp_path, prebuilt=prebuilt if how != "jit_dir" else (),
+                                        rebuild=int(how == "rebuild")))
+    if how == "jit_dir":
+        import importlib.machinery
+
+        elsewhere = tmp_path / "user_jit"
+        elsewhere.mkdir()
+        (elsewhere / f"module_top_k_per_row{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+        monkeypatch.setenv("AITER_JIT_DIR", str(elsewhere))
+    else:
+        monkeypatch.delenv("AITER_JIT_DIR", raising=False)
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name=f"probed-jit-{how}")
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed)
+    verdict = _candidate(res, "topk_indices.rocm.aiter_stable")
+    if how in ("absent", "rebuild"):
+        assert api.unbuilt["topk_stable"] == ("module_top_k_per_row",)
+        assert not verdict.accepted and "module_top_k_per_row is not built" in verdict.reason
+        assert "PREBUILD_KERNELS=1" in verdict.reason and "hipcc" in verdict.reason
+        assert res.chosen.impl_id == "topk_indices.triton.topk"
+    else:
+        assert "topk_stable" not in api.unbuilt and res.chosen.impl_id == "topk_indices.rocm.aiter_stable"
+    assert not [c for c in fake.calls if c[0] == "top_k_per_row_decode"]  # the probe never calls a HIP function
+
+
+def test_gemm_needs_its_ck_tile_module_where_aiter_has_that_variant(monkeypatch, tmp_path, registry):
+    fake = _install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_gemm_a8w8_blockscale",)))
+    fake.gemm_a8w8_blockscale = lambda *a, **k: None
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    assert "gemm_blockscale" not in aiter_api.detected_api().unbuilt
+    fake.gemm_a8w8_blockscale_cktile = lambda *a, **k: None  # main: tuned shapes may dispatch to CK-tile
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    assert aiter_api.detected_api().unbuilt["gemm_blockscale"] == ("module_gemm_a8w8_blockscale_cktile",)
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-cktile")
+    res = registry.resolve("gemm_fp8_blockscale", GFX950, Problem(), environment=probed)
+    assert "module_gemm_a8w8_blockscale_cktile is not built" in _candidate(res, "gemm_fp8_blockscale.rocm.aiter").reason
+
+
+def test_an_aiter_without_fp8_for_this_gpu_is_named(registry, monkeypatch):
+    """amd-aiter 0.1.7's aiter.dtypes falls back to uint8 on a GPU it does not know (gfx1250)."""
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", (None, aiter_api.AiterApi(
+        version="0.1.7-fake", fp8_dtype=torch.uint8, gemm_blockscale="aiter.gemm_a8w8_blockscale")))
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-uint8")
+    res = registry.resolve("gemm_fp8_blockscale", GFX1250, Problem(), environment=probed)
+    reason = _candidate(res, "gemm_fp8_blockscale.rocm.aiter").reason
+    assert "aiter.dtypes has no fp8 type for this GPU (uint8 fallback" in reason
+
+
 def test_torch_npu_probe_returns_reasons(monkeypatch):
     if not _real_module_installed("torch_npu"):
         monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
@@ -399,15 +592,28 @@ def _emulated_aiter_fp8_mqa_logits(q, kv, kv_scales, weights, cu_starts, cu_ends
     return out
 
 
+def _twiddled_keys(values: torch.Tensor) -> torch.Tensor:
+    """aiter's ``twiddle_in`` (csrc/kernels/topk_per_row_kernels.cu, e4048607): fp32 bits XOR 0x7fffffff for a clear
+    sign bit, unchanged for a set one; the kernel keeps the SMALLEST keys. So larger values win, and a positive NaN
+    (0x7fc00000) beats +inf while a negative NaN loses to -inf."""
+    bits = values.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)
+
+
 def _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
     """aiter's decode top-k semantics (row r sees [0, seqLens[r // next_n] - next_n + r % next_n + 1); short rows
-    give 0..len-1 then -1), computed with the reference top-k."""
+    give 0..len-1 then -1; long rows the 2048 smallest twiddled keys, ties to the lower column), so a NaN is ranked
+    as aiter's kernel ranks it, not by the library's rule."""
     rows = torch.arange(numRows)
-    ends = (seqLens.long()[rows // next_n] - next_n + rows % next_n + 1).to(torch.int32)
-    out = ref.topk_indices(logits[:numRows], 2048, ends)
-    short = ends <= 2048
-    ramp = torch.arange(2048)[None, :].expand(numRows, 2048)
-    out[short] = torch.where(ramp[short] < ends[short, None], ramp[short], -1).to(torch.int32)
+    ends = (seqLens.long()[rows // next_n] - next_n + rows % next_n + 1)
+    out = torch.full((numRows, 2048), -1, dtype=torch.int32)
+    for r in range(numRows):
+        end = int(ends[r])
+        if end <= 2048:
+            out[r, : max(end, 0)] = torch.arange(max(end, 0), dtype=torch.int32)
+            continue
+        keys = _twiddled_keys(logits[r, :end])
+        out[r] = torch.sort(keys, stable=True).indices[:2048].to(torch.int32)
     indices.copy_(out)
 
 
@@ -425,8 +631,211 @@ def _emulated_fused_rms_fp8_group_quant(inp1, inp1_weight, inp1_epsilon, inp2=No
     return (x_fp8, scale), (normed.to(inp1.dtype) if output_unquantized_inp1 else None), None, None
 
 
-def _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=False, with_stable=False):
-    """A fake aiter package tree in sys.modules whose functions record their calls (see the module docstring)."""
+# --- a double of aiter's paged logits that keeps upstream's routing rules (ROCm/aiter main e4048607) ---------------
+GLUON_ARCHS = ("gfx942", "gfx950", "gfx1250")  # aiter's _GLUON_PA_MQA_LOGITS_ARCHS
+
+
+def _paged_scores(q_row, keys, scales, w_row):
+    """sum_h w[h] * relu(q[h] . k) * scale, in fp32 (what every variant computes once it has its keys)."""
+    return torch.relu(q_row.float() @ keys.float().T).mul(w_row.float()[:, None]).sum(0) * scales.float()
+
+
+class PlainPagedKernelDouble:
+    """aiter's plain Triton ``_deepgemm_fp8_paged_mqa_logits``, emulated from its source: program ``pid`` ->
+    (row, split), chunks of ChunkK keys, key t of request b read at ``kv_indices[b, t // KVBlockSize]`` block and
+    token ``t % KVBlockSize`` through the block / token strides it is given (pointer arithmetic via as_strided), a
+    -inf mask for ``t > len - next_n + row``, stores below ``max_model_len``. Only launched programs write."""
+
+    # The kernel's parameters in ROCm/aiter e4048607 (kept here as data, independent of the adapter under test).
+    arg_names = ["batch_size", "next_n", "heads_num", "Q_buffer", "stride_q_batch", "stride_q_next_n",
+                 "stride_q_heads", "KV_buffer", "stride_k_block", "stride_k_token", "scale_buffer",
+                 "stride_scale_block", "stride_scale_token", "context_len_ptr", "kv_indices", "weights",
+                 "stride_w_batch", "OutLogits_buffer", "stride_out_batch", "max_model_len", "max_blk_len", "ChunkQ",
+                 "ChunkK", "HiddenDim", "KVBlockSize", "SplitKV"]
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(**kw):
+            missing = set(self.arg_names) - set(kw)
+            assert not missing, f"kernel launched without {sorted(missing)}"
+            self.launches.append((grid, kw))
+            self._run(grid[0], **kw)
+        return launch
+
+    @staticmethod
+    def _run(programs, *, batch_size, next_n, heads_num, Q_buffer, stride_q_batch, stride_q_next_n, stride_q_heads,
+             KV_buffer, stride_k_block, stride_k_token, scale_buffer, stride_scale_block, stride_scale_token,
+             context_len_ptr, kv_indices, weights, stride_w_batch, OutLogits_buffer, stride_out_batch,
+             max_model_len, max_blk_len, ChunkQ, ChunkK, HiddenDim, KVBlockSize, SplitKV):
+        assert ChunkQ == heads_num and Q_buffer.stride(3) == 1
+        blocks = KV_buffer.shape[0]
+        keys = torch.as_strided(KV_buffer, (blocks, KVBlockSize, HiddenDim), (stride_k_block, stride_k_token, 1))
+        kscale = torch.as_strided(scale_buffer, (blocks, KVBlockSize), (stride_scale_block, stride_scale_token))
+        table = kv_indices.reshape(-1)
+        out = torch.as_strided(OutLogits_buffer, (batch_size * next_n, max_model_len), (stride_out_batch, 1))
+        for pid in range(programs):
+            row, split = pid % (batch_size * next_n), pid // (batch_size * next_n)
+            b, j = row // next_n, row % next_n
+            length = int(context_len_ptr[b])
+            per_split = -(-(-(-length // ChunkK)) // SplitKV)
+            start = split * per_split * ChunkK
+            stop = min(length, start + per_split * ChunkK)
+            if stop <= start:
+                continue
+            cols = torch.arange(start, -(-stop // ChunkK) * ChunkK)
+            block_idx = cols // KVBlockSize
+            valid = (cols < length) & (block_idx < max_blk_len)
+            phys = torch.where(valid, table[(b * max_blk_len + block_idx).clamp_max(table.numel() - 1)], 0).long()
+            q = torch.as_strided(Q_buffer, (heads_num, HiddenDim), (stride_q_heads, 1),
+                                 Q_buffer.storage_offset() + b * stride_q_batch + j * stride_q_next_n)
+            w = torch.as_strided(weights, (heads_num,), (1,), weights.storage_offset() + row * stride_w_batch)
+            k = torch.where(valid[:, None], keys[phys, cols % KVBlockSize].float(), 0.0)
+            s_ = torch.where(valid, kscale[phys, cols % KVBlockSize], 0.0)
+            logits = _paged_scores(q, k, s_, w)
+            logits = torch.where(cols <= length - next_n + j, logits, float("-inf"))
+            keep = cols < max_model_len
+            out[row, cols[keep]] = logits[keep]
+
+
+def _gluon_page_size_one(q, kv_fp8, kv_scale, weights, out, context_lens, kv_indices, max_model_len, chunk):
+    """aiter's ``_gluon_deepgemm_fp8_paged_mqa_logits`` (Preshuffle=False) addressing, from its source: key t of
+    request b is row ``kv_indices[b * max_block_len + t]`` of ``KV_buffer`` with stride ``stride_k_seq`` (page size
+    1, KVBlockSize unused); buffer loads past the table's end read 0."""
+    batch, next_n, heads, dim = q.shape
+    table = kv_indices.reshape(-1)
+    width = kv_indices.shape[1]
+    keys = torch.as_strided(kv_fp8, (kv_fp8.shape[0], dim), (kv_fp8.stride(0), 1))
+    scales = torch.as_strided(kv_scale, (kv_scale.shape[0],), (kv_scale.stride(0),))
+    for b in range(batch):
+        length = int(context_lens[b])
+        cols = torch.arange(min(-(-length // chunk) * chunk, max_model_len))
+        flat = b * width + cols
+        idx = torch.where(flat < table.numel(), table[flat.clamp_max(table.numel() - 1)], 0).long()
+        for j in range(next_n):
+            row = b * next_n + j
+            logits = _paged_scores(q[b, j], keys[idx], scales[idx], weights[row])
+            out[row, cols] = torch.where(cols <= length - next_n + j, logits, float("-inf"))
+
+
+def _gluon_preshuffled(q, kv_fp8, kv_scale, weights, out, context_lens, kv_indices, max_model_len, block):
+    """aiter's preshuffle kernels' addressing: in each block, key (t, d) at ``d % 16 + d // 16 * 256 + t % 16 * 16
+    + t // 16 * 2048`` (16 x 16 tiles), scales per token after the values."""
+    batch, next_n, heads, dim = q.shape
+    t = torch.arange(block)[:, None]
+    d = torch.arange(dim)[None, :]
+    offset = d % 16 + d // 16 * 256 + t % 16 * 16 + t // 16 * 2048
+    for b in range(batch):
+        length = int(context_lens[b])
+        cols = torch.arange(min(length, max_model_len))
+        phys = kv_indices[b, cols // block].long()
+        keys = kv_fp8[phys][torch.arange(cols.numel())[:, None], offset[cols % block]]
+        scales = kv_scale[phys, cols % block]
+        for j in range(next_n):
+            row = b * next_n + j
+            logits = _paged_scores(q[b, j], keys, scales, weights[row])
+            out[row, cols] = torch.where(cols <= length - next_n + j, logits, float("-inf"))
+
+
+def _make_paged_wrapper(module, gfx, plain_kernel):
+    """aiter's ``deepgemm_fp8_paged_mqa_logits`` with its asserts and its routing: Gluon when the module's
+    ``enable_gluon_pa_mqa_logits`` is set (gfx1250 asserts KVBlockSize == 1 without preshuffle), else the plain
+    kernel (Preshuffle refused)."""
+
+    def deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
+                                      Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
+                                      VarCtxSchedule=None):
+        module.wrapper_calls.append(dict(Preshuffle=Preshuffle, KVBlockSize=KVBlockSize, ChunkK=ChunkK))
+        batch, next_n, heads, dim = q_fp8.shape
+        _, block_size, _, index_dim = kv_cache.shape
+        assert ChunkK % KVBlockSize == 0 or KVBlockSize % ChunkK == 0
+        assert block_size == KVBlockSize
+        if Preshuffle:
+            assert KVBlockSize % 16 == 0, "Preshuffle mode only supports KVBlockSize aligned to 16"
+        kv = kv_cache.view(-1, KVBlockSize * index_dim)
+        kv_fp8 = kv[..., : KVBlockSize * dim].view(q_fp8.dtype)
+        kv_scale = kv[..., KVBlockSize * dim:].view(torch.float32)
+        if module.enable_gluon_pa_mqa_logits:
+            if gfx == "gfx1250":
+                if Preshuffle:
+                    assert KVBlockSize > 1 and ChunkK % KVBlockSize == 0
+                else:
+                    assert KVBlockSize == 1, "gfx1250 base kernel requires KVBlockSize==1"
+            if Preshuffle:
+                _gluon_preshuffled(q_fp8, kv_fp8, kv_scale, weights, out_logits, context_lens, kv_indices,
+                                   max_model_len, KVBlockSize)
+            else:
+                _gluon_page_size_one(q_fp8, kv_fp8, kv_scale, weights, out_logits, context_lens, kv_indices,
+                                     max_model_len, ChunkK)
+            return
+        assert not Preshuffle, "Preshuffle mode is only supported on gluon kernel."
+        values = kv_fp8.view(-1, KVBlockSize, dim)
+        scales = kv_scale.view(-1, KVBlockSize)
+        split = 5
+        plain_kernel[(batch * next_n * split,)](
+            batch_size=batch, next_n=next_n, heads_num=heads, Q_buffer=q_fp8, stride_q_batch=q_fp8.stride(0),
+            stride_q_next_n=q_fp8.stride(1), stride_q_heads=q_fp8.stride(2), KV_buffer=values,
+            stride_k_block=values.stride(0), stride_k_token=values.stride(1), scale_buffer=scales,
+            stride_scale_block=scales.stride(0), stride_scale_token=scales.stride(1), context_len_ptr=context_lens,
+            kv_indices=kv_indices, weights=weights, stride_w_batch=weights.stride(0), OutLogits_buffer=out_logits,
+            stride_out_batch=out_logits.stride(0), max_model_len=max_model_len, max_blk_len=kv_indices.shape[1],
+            ChunkQ=heads, ChunkK=ChunkK, HiddenDim=dim, KVBlockSize=KVBlockSize, SplitKV=split)
+
+    return deepgemm_fp8_paged_mqa_logits
+
+
+def _install_paged_double(monkeypatch, mods, triton_version="3.5.0", gfx="gfx950", aot=False):
+    """aiter main's paged-logits modules: the routing flag computed by upstream's rule (Triton >= 3.5 and a Gluon
+    arch, or the AOT switch on older Triton), the wrapper above and the plain kernel double."""
+    from packaging.version import Version
+
+    kernel_mod = types.ModuleType("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits")
+    wrapper_mod = types.ModuleType("aiter.ops.triton.attention.pa_mqa_logits")
+    kernel_mod._deepgemm_fp8_paged_mqa_logits = PlainPagedKernelDouble()
+    wrapper_mod.triton_version = Version(triton_version)
+    wrapper_mod.enable_gluon_pa_mqa_logits = gfx in GLUON_ARCHS and (Version(triton_version) >= Version("3.5.0")
+                                                                       or aot)
+    wrapper_mod.wrapper_calls = []
+    wrapper = _make_paged_wrapper(wrapper_mod, gfx, kernel_mod._deepgemm_fp8_paged_mqa_logits)
+    wrapper.__module__ = wrapper_mod.__name__
+    wrapper_mod.deepgemm_fp8_paged_mqa_logits = wrapper
+    for name in ("aiter.ops.triton._triton_kernels", "aiter.ops.triton._triton_kernels.attention",
+                 "aiter.ops.triton.attention"):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = []
+        mods[name] = pkg
+        monkeypatch.setitem(sys.modules, name, pkg)
+    for mod in (kernel_mod, wrapper_mod):
+        mods[mod.__name__] = mod
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    return wrapper_mod, kernel_mod
+
+
+def _install_fake_jit(monkeypatch, mods, tmp_path, prebuilt=(), rebuild=0):
+    """``aiter.jit`` with a ``core`` holding AITER_REBUILD, and a package folder holding empty ``<module>.so`` files
+    for the modules named prebuilt (find_spec only looks for the file)."""
+    import importlib.machinery
+
+    jit_dir = tmp_path / "aiter_jit"
+    jit_dir.mkdir(exist_ok=True)
+    for md in prebuilt:
+        (jit_dir / f"{md}{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    jit = types.ModuleType("aiter.jit")
+    jit.__path__ = [str(jit_dir)]
+    core = types.ModuleType("aiter.jit.core")
+    core.AITER_REBUILD = rebuild
+    jit.core = core
+    mods["aiter"].jit = jit
+    monkeypatch.setitem(sys.modules, "aiter.jit", jit)
+    monkeypatch.setitem(sys.modules, "aiter.jit.core", core)
+    return jit_dir
+
+
+def _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=False, with_stable=False,
+                        paged=None, jit=None):
+    """A fake aiter package tree in sys.modules whose functions record their calls (see the module docstring).
+    ``paged``: kwargs of `_install_paged_double` (aiter main's paged logits); ``jit``: kwargs of `_install_fake_jit`."""
     calls = []
     names = ["aiter", "aiter.dtypes", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.fp8_mqa_logits",
              "aiter.ops.triton.fused_fp8_quant", "aiter.ops.topk"]
@@ -469,6 +878,10 @@ def _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=
     mods["aiter.ops.triton.fused_fp8_quant"].fused_rms_fp8_group_quant = fused_rms_fp8_group_quant
     fake = mods["aiter"]
     fake.calls = calls
+    if paged is not None:
+        fake.paged_wrapper_module, fake.paged_kernel_module = _install_paged_double(monkeypatch, mods, **paged)
+    if jit is not None:
+        fake.jit_dir = _install_fake_jit(monkeypatch, mods, **jit)
     return fake
 
 
@@ -630,7 +1043,8 @@ def test_topk_adapter_passes_decode_arguments(monkeypatch, with_stable):
     out = fn(logits, 2048, ends)
     _same_sets(out, ref.topk_indices(logits, 2048, ends))
     (name, (lg, next_n, seq_lens, indices, num_rows, s0, s1), kwargs), = fake.calls
-    assert lg is logits and next_n == 1 and torch.equal(seq_lens, ends) and num_rows == 5 and (s0, s1) == (3000, 1)
+    assert torch.equal(lg, logits) and lg.is_contiguous() and lg.data_ptr() % 16 == 0  # the NaN pre-pass's copy
+    assert next_n == 1 and torch.equal(seq_lens, ends) and num_rows == 5 and (s0, s1) == (3000, 1)
     assert indices.dtype == torch.int32 and indices.shape == (5, 2048)
     assert kwargs == ({"k": 2048, "stable": True} if with_stable else {})
 
@@ -647,6 +1061,39 @@ def test_topk_adapter_copies_strided_logits_and_converts_to_slots(monkeypatch):
     _same_sets(out, ref.topk_indices(logits, 2048, ends, None, table, rows))
     passed = fake.calls[0][1][0]
     assert passed.stride(1) == 1 and torch.equal(passed, logits)
+
+
+def test_double_ranks_nan_as_aiters_kernel_does():
+    """The top-k double orders twiddled fp32 bits as aiter's kernel: a positive NaN beats every finite value."""
+    logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(8))
+    logits[0, 2999] = float("nan")
+    indices = torch.empty(1, 2048, dtype=torch.int32)
+    _emulated_top_k_per_row_decode(logits, 1, torch.tensor([3000], dtype=torch.int32), indices, 1, 3000, 1)
+    assert 2999 in indices[0].tolist()
+
+
+@pytest.mark.parametrize("with_stable", [False, True])
+def test_topk_adapter_ranks_nan_as_minus_inf(monkeypatch, with_stable):
+    """The library's NaN rule: the result equals the top-k of where(isnan(x), -inf, x) with the usual ties. NaN
+    positions in long rows must not be chosen over finite values; short rows keep all their columns; the caller's
+    logits are not modified."""
+    fake = _install_fake_aiter(monkeypatch, with_stable=with_stable)
+    fn = rocm_topk.make_topk_indices()
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 4000, generator=gen)
+    nan_cols = torch.randint(0, 4000, (4, 300), generator=gen)
+    logits.scatter_(1, nan_cols, float("nan"))
+    logits[3, :1990] = float("nan")  # fewer finite visible values than k: NaN columns fill the rest, as -inf does
+    ends = torch.tensor([4000, 2500, 1000, 4000], dtype=torch.int32)
+    before = logits.clone()
+    out = fn(logits, 2048, ends)
+    as_minus_inf = torch.where(torch.isnan(logits), float("-inf"), logits)
+    _same_sets(out, ref.topk_indices(as_minus_inf, 2048, ends))
+    for row in (0, 1):
+        assert not torch.isnan(logits[row, out[row].long()]).any()
+    assert torch.equal(torch.isnan(logits), torch.isnan(before))
+    passed = fake.calls[0][1][0]
+    assert not torch.isnan(passed).any()
 
 
 def test_topk_adapter_refuses_what_resolution_should_have_refused(monkeypatch):
@@ -719,3 +1166,16 @@ def test_old_aiter_page_size_one_paged_kernel_is_not_adapted(monkeypatch):
     monkeypatch.setitem(sys.modules, "aiter.ops.triton.pa_mqa_logits", module)
     assert not paged._takes_block_size(old)
     assert paged.find_wrapper() is None
+
+    class OldKernel:  # 0.1.7's _deepgemm_fp8_paged_mqa_logits: one stride per key (page size 1)
+        arg_names = ["batch_size", "next_n", "heads_num", "Q_buffer", "stride_q_batch", "stride_q_next_n",
+                     "stride_q_heads", "KV_buffer", "stride_k_seq", "scale_buffer", "stride_scale_seq",
+                     "context_len_ptr", "kv_indices", "weights", "stride_w_batch", "OutLogits_buffer",
+                     "stride_out_batch", "max_model_len", "max_blk_len", "ChunkQ", "ChunkK", "HiddenDim", "SplitKV"]
+
+    kernels = types.ModuleType("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits")
+    kernels._deepgemm_fp8_paged_mqa_logits = OldKernel()
+    monkeypatch.setitem(sys.modules, kernels.__name__, kernels)
+    assert paged.find_kernel() is None
+    with pytest.raises(RuntimeError, match="lacks parameters"):
+        paged.make_paged_mqa_logits("kernel", OldKernel())

@@ -15,8 +15,14 @@ What this checks on real hardware (NVIDIA, not AMD):
   stray stores land in padding allocated for the purpose;
 * the probe's self-test routine `check_ragged_adapter` on this GPU;
 * ``aiter_fused_rms_fp8_group_quant`` (aiter's public Triton wrapper, which runs unchanged on NVIDIA) against the
-  reference ``rmsnorm_quant_fp8`` and its layout tag ``PRODUCER_UNROUNDED``.
-NOT checked: anything HIP/CK/asm (the top-k, the GEMM), AMD launch options, e4m3fnuz on gfx942.
+  reference ``rmsnorm_quant_fp8`` and its layout tag ``PRODUCER_UNROUNDED``;
+* ``paged_mqa_logits.rocm.aiter`` as resolution builds it (the registered factory) over aiter MAIN's plain Triton
+  ``_deepgemm_fp8_paged_mqa_logits`` (ROCm/aiter e4048607; the 0.1.7 wheel has only a page-size-1 kernel), from
+  ``$DSA_AITER_HEAD_PKG`` (default ``<repo>/.deps/aiter_head_pkg``, a few files of that commit; carry it too), on
+  64-token pages: several requests, lengths that are not multiples of 64, shuffled block tables over a larger
+  pool, against the reference; and the probe's paged self-test `check_paged_adapter` on this GPU.
+NOT checked: anything HIP/CK/asm (the top-k, the GEMM), AMD launch options, e4m3fnuz on gfx942, aiter's Gluon
+paged kernels (AMD only; the adapter does not call them).
 
 Tolerances and why:
 * logits: -inf pattern exact; finite values within 2e-3 x the row's largest |logit| (+2e-3 relative): Hopper's fp8
@@ -39,6 +45,7 @@ import pytest
 import torch
 
 AITER_PKG = Path(os.environ.get("DSA_AITER_PKG", Path(__file__).parents[2] / ".deps" / "aiter_pkg"))
+AITER_HEAD_PKG = Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[2] / ".deps" / "aiter_head_pkg"))
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,6 +88,17 @@ def _aiter_shim(pkg: Path):
 @pytest.fixture(scope="module")
 def shim():
     with _aiter_shim(AITER_PKG) as module:
+        yield module
+
+
+@pytest.fixture
+def head_shim():
+    """aiter main's Triton files (the block-level paged kernel) instead of the 0.1.7 wheel's."""
+    kernel = AITER_HEAD_PKG / "aiter" / "ops" / "triton" / "_triton_kernels" / "attention" / "pa_mqa_logits.py"
+    if not kernel.is_file():
+        pytest.skip(f"aiter main's paged kernel not found at {kernel} (set DSA_AITER_HEAD_PKG, or carry "
+                    ".deps/aiter_head_pkg)")
+    with _aiter_shim(AITER_HEAD_PKG) as module:
         yield module
 
 
@@ -209,3 +227,56 @@ def test_fused_rms_quant_adapter_against_the_reference(shim, tokens, width):
     assert int((_ordinal(normed, 16) - _ordinal(r_normed, 16)).abs().max()) <= 1, "normed: > 1 bf16 ulp"
     assert int((_ordinal(quant.data, 8) - _ordinal(r_fp8, 8)).abs().max()) <= 1, "fp8 payload: > 1 fp8 ulp"
     torch.testing.assert_close(quant.scales, r_scale, rtol=2 ** -7, atol=0)
+
+
+# --- paged logits: aiter main's plain Triton kernel through the registered adapter ---------------------------------
+def _paged_inputs(lens: list[int], heads: int, gen: torch.Generator, spare_pages: int = 5):
+    """Random 64-token pages (a pool larger than the tables, so unused pages hold other keys), a shuffled block table
+    one page wider than the longest request, q and weights; lengths as given (1 x next_n)."""
+    from dsa_indexer.contract.cache import IndexKCache, page_views
+
+    width = max(-(-n // 64) for n in lens) + 1
+    pool = len(lens) * width + spare_pages
+    cache = IndexKCache.allocate(pool, "cpu", FP8).data
+    keys, scales = page_views(cache, FP8)
+    keys.copy_((torch.randn(keys.shape, generator=gen) * 40).to(FP8))
+    scales.copy_(torch.rand(scales.shape, generator=gen) * 1e-3 + 1e-4)
+    table = torch.randperm(pool, generator=gen)[: len(lens) * width].to(torch.int32).view(len(lens), width)
+    q = (torch.randn(len(lens), 1, heads, 128, generator=gen) * 40).to(FP8)
+    w = torch.randn(len(lens), heads, generator=gen)
+    context = torch.tensor(lens, dtype=torch.int32).view(-1, 1)
+    return [t.cuda() for t in (q, cache, w, context, table)] + [width * 64]
+
+
+@pytest.mark.parametrize("lens, heads", [
+    ([1, 63, 65, 130, 1000, 4097, 2049, 333], 64),
+    ([7, 200, 5000], 32),
+    ([129] * 16, 64),
+    ([8191, 3], 16),
+    ([300] * 3 + [70], 128),
+])
+def test_registered_paged_adapter_over_aiters_plain_kernel(head_shim, lens, heads):
+    """Tolerance as for the ragged logits: -inf exactly outside each request's window (so every visible column was
+    written: the adapter pre-fills -inf), no NaN, finite values within 2e-3 x the row's largest |logit| + 2e-3
+    relative (fp8 MMA accumulation)."""
+    from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
+
+    reg = Registry(environment=Environment.simulated(gpu=True, triton=True, aiter=True))
+    load_plugins(reg, entry_points=False)
+    gfx950 = Target("rocm", "gfx950")
+    problem = Problem(heads=heads, dim=128, next_n=1, fp8="fn")
+    fn = reg.function("paged_mqa_logits", gfx950, problem)
+    assert reg.used[("paged_mqa_logits", gfx950, problem)].chosen.impl_id == "paged_mqa_logits.rocm.aiter"
+    gen = torch.Generator().manual_seed(sum(lens) + heads)
+    args = _paged_inputs(lens, heads, gen)
+    got = fn(*args)
+    want = ref.paged_mqa_logits(*args)
+    _check_logits(got, want)
+    visible = torch.isfinite(want.cpu())
+    assert visible.sum(dim=1).tolist() == lens  # the windows the reference masks are the requests' lengths
+
+
+def test_paged_probe_self_test_passes_on_this_gpu(head_shim):
+    from dsa_indexer.backends.rocm import paged
+
+    paged.check_paged_adapter(paged.make_paged_mqa_logits(launch="kernel"), "cuda", FP8)

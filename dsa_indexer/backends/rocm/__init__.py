@@ -4,11 +4,13 @@ Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the
 was run where):
 
 - the probe of the environment fact ``aiter`` (`aiter_api.probe`, the shared vendor-library probe): import inside a
-  try, API detection by feature, a self-test of the ragged-logits adapter on the GPU; without ROCm, a reason;
+  try, API detection by feature, the compiled HIP / CK modules checked prebuilt (never built in a call), a
+  self-test of the ragged- and paged-logits adapters on the GPU; without ROCm, a reason;
 - ``rmsnorm_quant_fp8.rocm.aiter`` (200): aiter's fused RMSNorm + fp8 quant, attention's q_lora producer in the seed
   integration, declared ``PRODUCER_UNROUNDED`` (`quant.py`); the ROCm platform reuses its copy by default;
 - ``gemm_fp8_blockscale.rocm.aiter`` (200): the CK block-scale GEMM, the reuse consumer (`gemm.py`);
-- ``paged_mqa_logits.rocm.aiter`` (200, next_n 1): the block-level paged logits reading this cache (`paged.py`);
+- ``paged_mqa_logits.rocm.aiter`` (200, next_n 1): aiter's plain Triton block-level paged kernel, launched by the
+  adapter on this cache (aiter's public wrapper routes to a page-size-1 Gluon kernel: not called; `paged.py`);
 - ``ragged_mqa_logits.rocm.aiter`` (200): aiter's Triton ``fp8_mqa_logits`` with the start-alignment workaround;
 - ``topk_indices.rocm.aiter_stable`` (200) when the decode top-k takes ``stable=`` (lower-index ties), and
   ``topk_indices.rocm.aiter`` (50, below Triton: non-deterministic ties) otherwise (`topk.py`).
@@ -100,18 +102,27 @@ def _topk_supports(problem: Problem, target: Target) -> str | None:
 def _available(field: str, op: str):
     def check(target: Target, env: Environment) -> str | None:
         # A simulated environment detected nothing: assume the full API. After a real probe, the detected API
-        # decides (function present, self-test passed, fp8 flavour of this aiter build = the target's).
+        # decides: function present (with the version that has it), compiled module already built, self-test
+        # passed, fp8 flavour of this aiter build = the target's.
         if env.simulated:
             return None
-        from .aiter_api import detected_api
+        from .aiter_api import NEEDS, detected_api, prebuild_hint
 
         api = detected_api()
         if api is None:
             return None
         if getattr(api, field) is None:
-            return f"{api.describe()} has no function for {op}"
+            return f"aiter {api.version} has no function for {op}: it needs {NEEDS[field]}"
+        if api.unbuilt.get(field):
+            return "; ".join(prebuild_hint(md) for md in api.unbuilt[field])
         if field == "ragged_wrapper" and api.ragged_self_test:
             return f"aiter {api.version} ragged logits self-test failed: {api.ragged_self_test}"
+        if field == "paged_logits" and api.paged_self_test:
+            return f"aiter {api.version} paged logits self-test (64-token pages) failed: {api.paged_self_test}"
+        if api.fp8_dtype is not None and not api.fp8_dtype.is_floating_point:
+            return (f"aiter {api.version}'s aiter.dtypes has no fp8 type for this GPU "
+                    f"({str(api.fp8_dtype).replace('torch.', '')} fallback; amd-aiter 0.1.7.post2.dev18 knows "
+                    f"gfx942 / gfx950 only, ROCm/aiter main e4048607 adds gfx1250)")
         if api.fp8_dtype is not None and api.fp8_dtype != target.fp8_dtype:
             return (f"this aiter build uses {str(api.fp8_dtype).replace('torch.', '')}, target {target} takes "
                     f"{str(target.fp8_dtype).replace('torch.', '')}")
@@ -139,8 +150,8 @@ def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
 
 def _paged_supports(problem: Problem, target: Target) -> str | None:
     if target.arch == "gfx1250":
-        return ("gfx1250: aiter's paged path there takes KVBlockSize 1 without preshuffle; this cache has 64-token "
-                "pages (the Triton kernel serves it)")
+        return ("gfx1250: not enabled (aiter's own gfx1250 paged path takes KVBlockSize 1 without preshuffle, and "
+                "its plain Triton kernel has not been run there); the library's Triton kernel serves it")
     reason = _arch_checks(problem, target, "deepgemm_fp8_paged_mqa_logits")
     if reason:
         return reason
@@ -158,7 +169,7 @@ def _paged_supports(problem: Problem, target: Target) -> str | None:
 def _paged_factory():
     from .paged import make_paged_mqa_logits
 
-    return make_paged_mqa_logits(launch="wrapper")
+    return make_paged_mqa_logits(launch="kernel")
 
 
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
@@ -205,9 +216,13 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "paged_mqa_logits", impl_id="paged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("paged_logits", "paged_mqa_logits"), supports=_paged_supports,
-        description="aiter's deepgemm_fp8_paged_mqa_logits, KVBlockSize 64 (reads paged64_fp8_e4m3 directly)",
-        info={"vendor_function": "aiter.ops.triton.attention.pa_mqa_logits.deepgemm_fp8_paged_mqa_logits",
-              "layout": "KVBlockSize=64: per block 64 x 128 fp8 then 64 fp32 scales (this library's cache)"},
+        description="aiter's plain Triton _deepgemm_fp8_paged_mqa_logits launched here, KVBlockSize 64 (reads "
+                    "paged64_fp8_e4m3 directly)",
+        info={"vendor_function": "aiter.ops.triton._triton_kernels.attention.pa_mqa_logits."
+                                 "_deepgemm_fp8_paged_mqa_logits (ROCm/aiter main e4048607)",
+              "layout": "KVBlockSize=64: per block 64 x 128 fp8 then 64 fp32 scales (this library's cache)",
+              "not_the_wrapper": "aiter's deepgemm_fp8_paged_mqa_logits routes Preshuffle=False to a Gluon kernel "
+                                 "that reads page size 1 (Triton >= 3.5 on gfx942/950/1250): not called"},
     )(_paged_factory)
     registry.implementation(
         "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,

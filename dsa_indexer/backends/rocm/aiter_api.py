@@ -3,18 +3,28 @@
 ``import aiter`` needs a ROCm install (it reads the GPU arch at import) and may fail in many ways on other
 machines, so the probe checks cheap facts first (installed, ROCm build of torch, a visible GPU, not inside
 graph capture), then imports aiter inside a try, finds the functions the adapters use by feature (module
-paths moved between releases), and runs the ragged-logits adapter once against the reference on the GPU.
-Every failure becomes a reason string; the probe never raises. It runs once per process, at the first
-resolution that needs the fact.
+paths moved between releases), checks that the HIP / CK modules behind them are already built, and runs the
+ragged-logits and paged-logits adapters once against the reference on the GPU. Every failure becomes a reason
+string; the probe never raises. It runs once per process, at the first resolution that needs the fact.
+
+**Compiled modules.** aiter's HIP and CK functions (``top_k_per_row_decode``: ``module_top_k_per_row``;
+``gemm_a8w8_blockscale``: ``module_gemm_a8w8_blockscale``, and ``module_gemm_a8w8_blockscale_cktile`` where that
+variant exists) are ``aiter.jit.core.compile_ops`` wrappers: when the module's ``.so`` is absent, the FIRST CALL
+runs hipcc for minutes. The PyPI wheel ships none of them prebuilt. So the probe never builds anything and never
+lets a call build: it checks, with aiter's own loading rules (`module_prebuilt`), whether each module loads as is,
+and an implementation whose module does not is turned off with a reason saying how to prebuild it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +34,26 @@ from ...dispatch.vendor import VendorLibrary
 log = logging.getLogger("dsa_indexer")
 
 INSTALL_HINT = "pip install 'dsa-indexer[rocm]' (amd-aiter) on a ROCm machine"
+CHECKED = "ROCm/aiter main e4048607 and amd-aiter 0.1.7.post2.dev18 (source read)"
+
+# What each adapter needs from aiter, with the versions where it was found by reading the source; reasons and
+# `AiterApi.describe` quote it, so `dsa-indexer explain` says what this install lacks and which aiter has it.
+NEEDS = {
+    "ragged_wrapper": "fp8_mqa_logits (Triton; amd-aiter 0.1.7.post2.dev18 and ROCm/aiter main e4048607)",
+    "paged_logits": "the block-level Triton kernel _deepgemm_fp8_paged_mqa_logits (KVBlockSize, block and token "
+                    "strides; ROCm/aiter main e4048607; amd-aiter 0.1.7.post2.dev18 has a page-size-1 kernel only)",
+    "topk_decode": "aiter.ops.topk.top_k_per_row_decode (HIP, module_top_k_per_row; 0.1.7.post2.dev18 and main)",
+    "topk_stable": "top_k_per_row_decode(..., stable=True) (ROCm/aiter main e4048607; not in 0.1.7.post2.dev18)",
+    "fused_rms_quant": "fused_rms_fp8_group_quant (Triton; 0.1.7.post2.dev18 and main)",
+    "gemm_blockscale": "aiter.gemm_a8w8_blockscale (CK, module_gemm_a8w8_blockscale; 0.1.7.post2.dev18 and main)",
+}
+# field -> (compiled module, the C++ function aiter loads from it): built by hipcc at the first call when absent.
+JIT_MODULES = {
+    "topk_decode": (("module_top_k_per_row", "top_k_per_row_decode"),),
+    "topk_stable": (("module_top_k_per_row", "top_k_per_row_decode"),),
+    "gemm_blockscale": (("module_gemm_a8w8_blockscale", "gemm_a8w8_blockscale"),),
+}
+CKTILE_MODULE = ("module_gemm_a8w8_blockscale_cktile", "gemm_a8w8_blockscale_cktile")  # main: tuned shapes use it
 
 
 @dataclass(frozen=True)
@@ -31,21 +61,40 @@ class AiterApi:
     """What the installed aiter offers to the adapters (dotted paths of the functions found, None = absent)."""
 
     version: str
-    fp8_dtype: torch.dtype | None = None  # aiter.dtypes.fp8: e4m3fnuz on gfx942, e4m3fn on gfx950
+    fp8_dtype: torch.dtype | None = None  # aiter.dtypes.fp8: e4m3fnuz on gfx942, e4m3fn on gfx950 (uint8: unknown GPU)
     ragged_wrapper: str | None = None
     ragged_kernel: str | None = None
     topk_decode: str | None = None
     topk_stable: str | None = None  # the decode top-k takes stable=True (lower-index ties, deterministic)
     fused_rms_quant: str | None = None
     gemm_blockscale: str | None = None
-    paged_logits: str | None = None  # the block-level deepgemm_fp8_paged_mqa_logits (a KVBlockSize parameter)
+    paged_logits: str | None = None  # the plain Triton kernel with KVBlockSize and block / token strides
+    paged_wrapper: str | None = None  # aiter's block-level wrapper (informational: not called, see paged.py)
+    paged_wrapper_route: str | None = None  # None: the wrapper reaches the plain kernel; else why it must not be used
     ragged_self_test: str | None = None  # None: passed (or not run); else why it failed
+    paged_self_test: str | None = None  # None: passed (or not run); else why it failed
+    unbuilt: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> compiled modules not built yet
 
     def describe(self) -> str:
+        """What this install provides, per adapter (``-``: absent), with the self-tests' and the modules' state."""
         fp8 = str(self.fp8_dtype).replace("torch.", "") if self.fp8_dtype is not None else "?"
-        return (f"aiter {self.version} (fp8 {fp8}; ragged logits: {self.ragged_wrapper or '-'}; "
-                f"top-k decode: {self.topk_decode or '-'}; fused rms quant: {self.fused_rms_quant or '-'}; "
-                f"block-scale GEMM: {self.gemm_blockscale or '-'}; paged logits: {self.paged_logits or '-'})")
+
+        def item(label: str, name: str) -> str:
+            path = getattr(self, name)
+            if path is None:
+                return f"{label}: - (needs {NEEDS[name]})"
+            notes = [f"{module} not built" for module in self.unbuilt.get(name, ())]
+            test = {"ragged_wrapper": self.ragged_self_test, "paged_logits": self.paged_self_test}.get(name)
+            if test:
+                notes.append(f"self-test failed: {test}")
+            return f"{label}: {path}" + (f" [{'; '.join(notes)}]" if notes else "")
+
+        parts = [item("ragged logits", "ragged_wrapper"), item("paged logits", "paged_logits"),
+                 item("top-k decode", "topk_decode"), item("stable top-k", "topk_stable"),
+                 item("fused rms quant", "fused_rms_quant"), item("block-scale GEMM", "gemm_blockscale")]
+        if self.paged_wrapper is not None and self.paged_wrapper_route:
+            parts.append(f"paged wrapper {self.paged_wrapper} not used: {self.paged_wrapper_route}")
+        return f"aiter {self.version} (fp8 {fp8}; " + "; ".join(parts) + ")"
 
 
 def find_function(modules: tuple[str, ...], name: str, *, callable_only: bool = False) -> tuple[str, Any] | None:
@@ -73,6 +122,45 @@ def _version() -> str:
         return str(getattr(module, "__version__", "(unknown version)"))
 
 
+def module_prebuilt(md_name: str, function: str) -> bool:
+    """Would aiter load its compiled module ``md_name`` without building it? aiter.jit.core's loading rules
+    (e4048607 and 0.1.7): ``AITER_REBUILD`` set rebuilds at the first call; a prebuilt ``aiter_`` extension
+    (0.1.7's ``PREBUILD_KERNELS``) serves the functions it has; else the module is imported as ``md_name`` from
+    ``$AITER_JIT_DIR`` when set, or as ``aiter.jit.<md_name>``. Anything unreadable counts as not built."""
+    try:
+        core = importlib.import_module("aiter.jit.core")
+        if int(getattr(core, "AITER_REBUILD", 0) or 0):
+            return False
+        if getattr(core, "PREBUILD_KERNELS", False) and hasattr(getattr(core, "aiter_", None), function):
+            return True
+        jit_dir = os.environ.get("AITER_JIT_DIR")
+        if jit_dir:
+            return importlib.machinery.PathFinder.find_spec(md_name, [jit_dir]) is not None
+        return importlib.util.find_spec(f"aiter.jit.{md_name}") is not None
+    except Exception:  # noqa: BLE001 - an aiter whose loader we cannot read might build at the first call
+        return False
+
+
+def prebuild_hint(md_name: str) -> str:
+    return (f"aiter's {md_name} is not built: its first call would compile it with hipcc (minutes, inside a "
+            f"step). Build it before serving, then restart: install aiter from source with PREBUILD_KERNELS=1 "
+            f"GPU_ARCHS=<your gfx arch> (aiter's CONTRIBUTE.md), or call the function once in a warm-up process "
+            f"(aiter then keeps {md_name}.so under aiter/jit or $AITER_JIT_DIR)")
+
+
+def _unbuilt(api: "AiterApi", has_cktile: bool) -> dict[str, tuple[str, ...]]:
+    missing: dict[str, tuple[str, ...]] = {}
+    for name, modules in JIT_MODULES.items():
+        if getattr(api, name) is None:
+            continue
+        if name == "gemm_blockscale" and has_cktile:
+            modules = modules + (CKTILE_MODULE,)
+        absent = tuple(md for md, function in modules if not module_prebuilt(md, function))
+        if absent:
+            missing[name] = absent
+    return missing
+
+
 def detect_api() -> AiterApi:
     """Find, in the importable aiter, the functions the adapters call (imports aiter and its submodules)."""
     import aiter
@@ -83,28 +171,42 @@ def detect_api() -> AiterApi:
     api = AiterApi(version=_version(), fp8_dtype=getattr(dtypes, "fp8", None))
     wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
     decode, fused, blockscale = topk.find_decode(), quant.find_fused_rms_quant(), gemm.find_gemm()
-    paged_fn = paged.find_wrapper()
+    paged_kernel, paged_wrapper = paged.find_kernel(), paged.find_wrapper()
     stable = decode if decode and topk.takes_stable(decode[1]) else None
-    return dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
-                               ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
-                               fused_rms_quant=fused[0] if fused else None,
-                               gemm_blockscale=blockscale[0] if blockscale else None,
-                               paged_logits=paged_fn[0] if paged_fn else None,
-                               topk_stable=stable[0] if stable else None)
+    api = dataclasses.replace(api, ragged_wrapper=wrapper[0] if wrapper else None,
+                              ragged_kernel=kernel[0] if kernel else None, topk_decode=decode[0] if decode else None,
+                              fused_rms_quant=fused[0] if fused else None,
+                              gemm_blockscale=blockscale[0] if blockscale else None,
+                              paged_logits=paged_kernel[0] if paged_kernel else None,
+                              paged_wrapper=paged_wrapper[0] if paged_wrapper else None,
+                              paged_wrapper_route=paged.wrapper_route(paged_wrapper[1]) if paged_wrapper else None,
+                              topk_stable=stable[0] if stable else None)
+    return dataclasses.replace(api, unbuilt=_unbuilt(api, gemm.find_cktile() is not None))
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"
 
 
 def self_test(api: AiterApi, device: torch.device) -> AiterApi:
-    """Run the ragged-logits adapter (aiter's wrapper + the alignment workaround) once against the reference;
-    the outcome is recorded in the returned api (only that implementation is turned off when it fails)."""
-    if api.ragged_wrapper is None or api.fp8_dtype is None:
+    """Run the ragged-logits adapter (aiter's wrapper + the alignment workaround) and the paged-logits adapter
+    (aiter's plain Triton kernel on 64-token pages) once against the reference; each outcome is recorded in the
+    returned api, and a failure turns off only that implementation. Nothing HIP / CK runs here (`module_prebuilt`)."""
+    if api.fp8_dtype is None:
         return api
-    from . import logits
+    from . import logits, paged
 
-    try:
-        logits.check_ragged_adapter(logits.make_ragged_mqa_logits(launch="wrapper"), device, api.fp8_dtype)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the reason
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return dataclasses.replace(api, ragged_self_test=f"{type(exc).__name__}: {text}")
+    if api.ragged_wrapper is not None:
+        try:
+            logits.check_ragged_adapter(logits.make_ragged_mqa_logits(launch="wrapper"), device, api.fp8_dtype)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the reason
+            api = dataclasses.replace(api, ragged_self_test=_first_line(exc))
+    if api.paged_logits is not None:
+        try:
+            paged.check_paged_adapter(paged.make_paged_mqa_logits(launch="kernel"), device, api.fp8_dtype)
+        except Exception as exc:  # noqa: BLE001
+            api = dataclasses.replace(api, paged_self_test=_first_line(exc))
     return api
 
 
@@ -120,7 +222,7 @@ def _usable(api: AiterApi) -> str | None:
     if not (api.ragged_wrapper or api.topk_decode or api.fused_rms_quant or api.gemm_blockscale or api.paged_logits):
         return (f"aiter {api.version} exposes none of the functions this backend adapts "
                 f"(fp8_mqa_logits, top_k_per_row_decode, fused_rms_fp8_group_quant, gemm_a8w8_blockscale, "
-                f"deepgemm_fp8_paged_mqa_logits)")
+                f"_deepgemm_fp8_paged_mqa_logits)")
     return None
 
 
@@ -144,9 +246,15 @@ def reset_detection() -> None:
 
 def probe() -> str | None:
     """None when aiter imports on a ROCm GPU and exposes at least one function the adapters use; else the
-    reason. Never raises. A failed ragged self-test turns off only that implementation (recorded in the api)."""
+    reason. Never raises. A failed self-test or an unbuilt compiled module turns off only the implementations
+    concerned (recorded in the api; their ``available`` check gives the reason)."""
     reason = LIBRARY.probe()
     api = LIBRARY.detected_api()
-    if reason is None and api is not None and api.ragged_self_test:
-        log.info("dsa_indexer: aiter's ragged logits self-test failed: %s", api.ragged_self_test)
+    if reason is None and api is not None:
+        if api.ragged_self_test:
+            log.info("dsa_indexer: aiter's ragged logits self-test failed: %s", api.ragged_self_test)
+        if api.paged_self_test:
+            log.info("dsa_indexer: aiter's paged logits self-test failed: %s", api.paged_self_test)
+        for modules in sorted(set(api.unbuilt.values())):
+            log.info("dsa_indexer: %s", "; ".join(prebuild_hint(md) for md in modules))
     return reason

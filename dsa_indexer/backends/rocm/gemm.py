@@ -9,6 +9,10 @@ out dtype bf16 or fp16. The CK path serves gfx942 / gfx950 / gfx1250 (aiter's pr
 own Triton GEMM elsewhere. The preshuffled variant (``gemm_a8w8_blockscale_bpreshuffle``, transposed x_scale,
 16x16-shuffled weights) is not used: it needs the weight re-laid out at load time.
 
+Its CK modules (``module_gemm_a8w8_blockscale``, and on main ``module_gemm_a8w8_blockscale_cktile``) are built by
+hipcc at the first call when not prebuilt; the probe turns this implementation off until they are
+(aiter_api.module_prebuilt), so no call hides a minutes-long build.
+
 HIP/CK only: never run here. The adapter's argument marshalling is tested against a double written from that
 signature (tests/test_rocm_npu_backends_cpu.py).
 """
@@ -22,11 +26,18 @@ import torch
 from .aiter_api import find_function
 
 GEMM_NAME = "gemm_a8w8_blockscale"
+CKTILE_NAME = "gemm_a8w8_blockscale_cktile"  # ROCm/aiter main: shapes tuned for CK-tile call this module
 
 
 def find_gemm() -> tuple[str, Callable] | None:
     """aiter's ``gemm_a8w8_blockscale`` (imports aiter)."""
     return find_function(("aiter",), GEMM_NAME, callable_only=True)
+
+
+def find_cktile() -> tuple[str, Callable] | None:
+    """aiter's CK-tile block-scale GEMM (main only): ``gemm_a8w8_blockscale`` may call it for tuned shapes, so its
+    compiled module must be built too (aiter_api.module_prebuilt)."""
+    return find_function(("aiter", "aiter.ops.gemm_op_a8w8"), CKTILE_NAME, callable_only=True)
 
 
 def make_gemm_fp8_blockscale(gemm_a8w8_blockscale: Callable | None = None) -> Callable[..., torch.Tensor]:

@@ -17,6 +17,11 @@ What aiter 0.1.7.post2.dev18's HIP source (csrc/kernels/topk_per_row_kernels.cu)
   (the row start is ignored) while short rows return absolute columns ``rowStart + i``. Ragged starts are
   therefore refused by ``supports`` (the problem fact ``starts``).
 
+* NaN: the kernel orders fp32 bit patterns (``twiddle_in``: sign-magnitude -> unsigned), so a positive NaN ranks
+  above +inf, i.e. it would be selected first. The library's rule is that a NaN score ranks exactly as -inf, so
+  the adapter passes ``torch.where(isnan(x), -inf, x)``: one elementwise pass on the device, no host sync, so it
+  stays graph-capturable; it also gives the kernel the contiguous, 16-byte-aligned rows it reads.
+
 Physical-slot output (``block_table`` given) is converted from the request-local result with the reference's
 `indices_to_slots` (a gather, no sync). Never run on AMD hardware in this project (the kernel is HIP-only); the
 CPU tests check the argument handling against a fake built on the reference.
@@ -77,8 +82,10 @@ def make_topk_indices(top_k_per_row_decode: Callable | None = None) -> Callable[
         rows = logits.shape[0]
         out = torch.full((rows, TOPK), -1, dtype=torch.int32, device=logits.device)
         if rows:
-            if logits.stride(1) != 1 or logits.data_ptr() % 16:
-                # The kernel reads rows with 16-byte vector loads from the base pointer.
+            # NaN ranks as -inf (the library's rule; the kernel would rank it first). The result is a fresh
+            # contiguous tensor, as the kernel needs: it reads rows with 16-byte vector loads from the base pointer.
+            logits = torch.where(torch.isnan(logits), float("-inf"), logits).contiguous()
+            if logits.data_ptr() % 16:
                 logits = logits.clone(memory_format=torch.contiguous_format)
             top_k_per_row_decode(logits, 1, ends.to(torch.int32).contiguous(), out, rows, logits.stride(0),
                                  logits.stride(1), **extra)
