@@ -113,6 +113,61 @@ def test_launch_plan(rows, cols, vec, cluster):
 
 def test_rows_too_wide_for_eight_ctas_have_no_plan():
     assert cuda_topk.plan(1, 8 * 48 * 1024, 132, 4) is None
+    assert cuda_topk.plan_for(1, 8 * 48 * 1024, 132, 4) is None  # the Triton top-k serves such rows
+
+
+@pytest.mark.parametrize("rows,cols,cluster,keys", [
+    (1, 100, 1, 8), (300, 4096, 1, 8), (5, 4097, 1, 16), (1, 8192, 1, 16), (128, 8192, 1, 16),
+    (1, 8193, 2, 16), (1, 32768, 4, 16), (64, 32768, 4, 16), (128, 32768, 2, 32), (1, 65536, 8, 16),
+    (1, 65537, 5, 32), (1, 131072, 8, 32), (128, 131072, 8, 32), (2, 70000, 5, 32)])
+def test_register_plan(rows, cols, cluster, keys):
+    got = cuda_topk.plan_for(rows, cols, 132, 4)
+    assert got == cuda_topk.Plan("registers", cluster, keys)
+    assert keys in cuda_topk.REGISTERS_KEYS and 1 <= cluster <= cuda_topk.MAX_CLUSTER
+    assert cluster * keys * cuda_topk.REGISTERS_THREADS >= cols  # every column has a register
+    # 8K-column CTAs only while the grid fits the SMs' two CTAs each; past that the 16K-column chunk halves it
+    if keys == 16 and cluster > 1:
+        assert rows * cluster <= 2 * 132
+
+
+def test_rows_past_eight_register_chunks_take_the_shared_memory_kernel():
+    wide = cuda_topk.plan_for(1, 8 * 16384 + 1, 132, 4)
+    assert wide.kernel == "shared" and wide.cluster == 5 and wide.per_cta * 5 >= 8 * 16384 + 1
+    assert cuda_topk.plan_for(1, 262144, 132, 4).kernel == "shared"
+
+
+def test_plan_is_computed_once_per_shape():
+    cuda_topk.plan_for.cache_clear()
+    for _layer in range(61):  # every layer of a decode step asks for the same shape
+        cuda_topk.plan_for(64, 32768, 132, 4)
+    info = cuda_topk.plan_for.cache_info()
+    assert info.misses == 1 and info.hits == 60
+
+
+def test_self_test_holds_the_nan_rule():
+    """The probe's self-test expects a NaN ranked as -inf: an implementation of that rule passes it on the CPU,
+    one that ranks NaN as the largest value (the old rule) or as a plain value fails it."""
+    def nan_as_neg_inf(logits, k, ends, starts, table, req):
+        return ref.topk_indices(cuda_topk.nan_as_neg_inf(logits), k, ends, starts, table, req)
+
+    def nan_largest(logits, k, ends, starts, table, req):
+        big = torch.where(torch.isnan(logits), torch.full_like(logits, float("inf")), logits)
+        return ref.topk_indices(big, k, ends, starts, table, req)
+
+    cuda_topk.self_test(torch.device("cpu"), topk=nan_as_neg_inf)
+    with pytest.raises(RuntimeError, match="self-test case"):
+        cuda_topk.self_test(torch.device("cpu"), topk=nan_largest)
+    cases = list(cuda_topk._self_test_cases(torch.device("cpu")))
+    assert sum(bool(torch.isnan(c[0]).any()) for c in cases) >= 2  # short and clustered rows hold NaN
+
+
+def test_nan_as_neg_inf_maps_every_nan_and_nothing_else():
+    bits = torch.tensor([0x7FC00000, 0x7F800001, 0xFFFFFFFF - (1 << 32), 0x7F800000, 0x3F800000, 0],
+                        dtype=torch.int32)
+    x = bits.view(torch.float32)
+    got = cuda_topk.nan_as_neg_inf(x)
+    assert torch.equal(torch.isneginf(got), torch.tensor([True, True, True, False, False, False]))
+    assert torch.equal(got[3:], x[3:])
 
 
 # --- FlashInfer adapter, against a double of flashinfer 0.7's documented top_k_ragged_transform -------------

@@ -1,13 +1,14 @@
-"""The CUDA C++ top-k (``topk_indices.cuda.radix``) and the sm90 lightning indexer on the H200, against the
-reference.
+"""The CUDA C++ top-k (``topk_indices.cuda.radix``: the register kernel and the shared-memory kernel, each plan)
+and the sm90 lightning indexer on the H200, against the reference.
 
 Tolerance: none for the top-k. It is an exact selection, so the returned index SET must equal the reference's
-(`torch.sort`-based, ties to the lower column) on the same logits, bit for bit, and the order is the kernel's
-documented one (keys above the k-th value in column order, then the lowest-column keys equal to it), checked
-against an order rebuilt from the reference's set. The lightning indexer's logits come from DeepGEMM, so its
-sets are compared with the reference top-k of DeepGEMM's own (masked) logits. Inputs are fresh random rows
+(`torch.sort`-based, ties to the lower column) on the same logits with every NaN replaced by -inf (the library's
+NaN rule), bit for bit. Order within the k is not part of the contract (rows with <= k visible columns: the
+visible positions ascending, then -1, which is checked). The lightning indexer's logits come from DeepGEMM, so
+its sets are compared with the reference top-k of DeepGEMM's own (masked) logits. Inputs are fresh random rows
 every run: real indexer logits (the project's k and q paths over random weights and activations), randn, and
-adversarial rows; outputs are poisoned before each call to catch unwritten entries.
+adversarial rows; outputs are poisoned (the kernels write into torch.empty) so unwritten entries show up as a
+set mismatch.
 """
 
 from __future__ import annotations
@@ -30,39 +31,42 @@ def kernel_ready():
         pytest.skip(reason)
 
 
-def _order_keys(values: torch.Tensor) -> torch.Tensor:
-    """The kernel's order of values (NaN largest, -0.0 == +0.0) as int64 keys."""
-    return torch.where(torch.isnan(values), torch.full_like(values, float("inf")), values + 0.0).double()
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _check_order(got, logits, k, ends, starts):
-    """The documented order: the keys above the threshold class in ascending column order, then the chosen keys
-    of the class in ascending column order, every key of the first part above every key of the second; rows
-    with <= k visible columns hold them ascending, then -1."""
-    got, logits = got.cpu(), logits.cpu()
+def _plans(rows: int, cols: int, vec: int = 4):
+    """The planned launch (None) and every other launch that can hold such rows: each register-kernel chunk
+    size with its cluster, and the shared-memory kernel."""
+    plans = [None]
+    for keys in cuda_topk.REGISTERS_KEYS:
+        cluster = -(-cols // (keys * cuda_topk.REGISTERS_THREADS))
+        if cluster <= cuda_topk.MAX_CLUSTER:
+            plans.append(cuda_topk.Plan("registers", cluster, keys))
+    shared = cuda_topk.plan(rows, cols, _sms(), vec)
+    if shared is not None:
+        plans.append(cuda_topk.Plan("shared", *shared))
+    return plans
+
+
+def _check_short_rows(got, k, ends, starts):
+    """Rows with <= k visible columns: every visible position ascending, then -1 (the contract's layout)."""
+    got = got.cpu()
     for r in range(got.shape[0]):
         s = int(starts[r]) if starts is not None else 0
         e = int(ends[r])
-        row = got[r]
         if e - s <= k:
-            assert torch.equal(row[: e - s], torch.arange(max(e - s, 0), dtype=torch.int32))
-            assert bool((row[max(e - s, 0):] == -1).all())
-            continue
-        breaks = (row[1:] < row[:-1]).nonzero()
-        assert breaks.numel() <= 1, f"row {r}: more than two ascending runs"
-        if breaks.numel():
-            split = int(breaks[0, 0]) + 1
-            keys = _order_keys(logits[r, s:e])
-            assert float(keys[row[:split].long()].min()) >= float(keys[row[split:].long()].max()), f"row {r}"
+            assert torch.equal(got[r, : e - s], torch.arange(max(e - s, 0), dtype=torch.int32)), f"row {r}"
+            assert bool((got[r, max(e - s, 0):] == -1).all()), f"row {r}"
 
 
-def _check(logits, k, ends, starts=None, table=None, req=None, order=True):
-    got = cuda_topk.topk_indices(logits, k, ends, starts, table, req)
-    want = ref.topk_indices(logits, k, ends, starts, table, req)
+def _check(logits, k, ends, starts=None, table=None, req=None, plan=None):
+    got = cuda_topk.run_plan(logits, k, ends, starts, table, req, plan)
+    want = ref.topk_indices(cuda_topk.nan_as_neg_inf(logits), k, ends, starts, table, req)
     assert got.shape == want.shape and got.dtype == torch.int32
-    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
-    if order and table is None:
-        _check_order(got, logits, k, ends, starts)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values), f"plan {plan}"
+    if table is None:
+        _check_short_rows(got, k, ends, starts)
     return got
 
 
@@ -76,10 +80,10 @@ def _real_logits(batch, ctx, seed):
 @pytest.mark.parametrize("batch,ctx", [(1, 8192), (4, 8192), (3, 32768), (2, 131072)])
 def test_real_logits_match_reference(kernel_ready, batch, ctx):
     logits, ends, _ = _real_logits(batch, ctx, seed=batch * 31 + ctx)
-    _check(logits, 2048, ends)
-    # ragged lengths inside the same logits
-    ends2 = torch.randint(1, ctx + 1, (batch,), device=DEVICE, dtype=torch.int32)
-    _check(logits, 2048, ends2)
+    ends2 = torch.randint(1, ctx + 1, (batch,), device=DEVICE, dtype=torch.int32)  # ragged lengths
+    for plan in _plans(batch, ctx):
+        _check(logits, 2048, ends, plan=plan)
+        _check(logits, 2048, ends2, plan=plan)
 
 
 @pytest.mark.parametrize("batch,ctx", [(16, 8192), (4, 32768)])
@@ -100,28 +104,62 @@ def test_randn_rows_match_reference(kernel_ready, rows, cols, k):
     logits = torch.randn(rows, cols, device=DEVICE)
     ends = torch.randint(cols // 2, cols + 1, (rows,), device=DEVICE, dtype=torch.int32)
     ends[0] = cols
-    _check(logits, k, ends, order=rows * cols <= 1 << 20)
+    for plan in _plans(rows, cols):
+        _check(logits, k, ends, plan=plan)
 
 
-def test_adversarial_rows(kernel_ready):
+@pytest.mark.parametrize("cols", [3000, 20000, 70001])
+def test_adversarial_rows(kernel_ready, cols):
     gen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(0, 1 << 30, ())))
-    cols, k = 20000, 2048
+    k = 2048 if cols > 2048 else 512
     x = torch.randn(10, cols, device=DEVICE, generator=gen)
     x[0] = 3.25  # all equal
     x[1] = torch.randint(0, 3, (cols,), device=DEVICE, generator=gen).float()  # massive ties at the k-th value
     x[2, ::3] = float("-inf")  # visible -inf
-    x[3, ::11] = float("nan")  # NaN counts as the largest
+    x[3, ::11] = float("nan")  # NaN ranks as -inf
     x[4] = torch.where(torch.rand(cols, device=DEVICE, generator=gen) < 0.5, 0.0, -0.0)  # signed zeros tie
     x[5] = torch.exp(torch.randn(cols, device=DEVICE, generator=gen) * 8)  # wide dynamic range
     x[6] = 1e6 + torch.randn(cols, device=DEVICE, generator=gen)  # a narrow band far from zero
     x[7, :] = float("-inf")
     x[8] = torch.randn(cols, device=DEVICE, generator=gen) * 1e-30  # denormal-scale values straddling zero
     ends = torch.full((10,), cols, dtype=torch.int32, device=DEVICE)
-    ends[9] = 1500  # shorter than k: every visible column then -1
+    ends[9] = k - 548  # shorter than k: every visible column then -1
     starts = torch.zeros(10, dtype=torch.int32, device=DEVICE)
-    _check(x, k, ends)
-    starts[2], starts[5], starts[6] = 1, 4097, 123  # windows with starts, unaligned
-    _check(x, k, ends, starts)
+    for plan in _plans(10, cols):
+        _check(x, k, ends, plan=plan)
+    starts[2], starts[5], starts[6] = 1, min(4097, cols // 2), 123  # windows with starts, unaligned
+    for plan in _plans(10, cols):
+        _check(x, k, ends, starts, plan=plan)
+
+
+@pytest.mark.parametrize("cols", [3000, 8192, 40000, 131072])
+def test_nan_ranks_as_negative_infinity(kernel_ready, cols):
+    """The NaN rule: equal to the reference on the row with NaN replaced by -inf, for NaN at random positions,
+    whole-NaN rows, NaN mixed with -inf, rows with fewer non-NaN values than k, and short rows."""
+    gen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(0, 1 << 30, ())))
+    k = 2048 if cols > 2048 else 512
+    x = torch.randn(8, cols, device=DEVICE, generator=gen)
+    x[0, torch.rand(cols, device=DEVICE, generator=gen) < 0.3] = float("nan")  # random positions
+    x[1] = float("nan")  # whole row
+    nan_or_inf = torch.rand(cols, device=DEVICE, generator=gen)
+    x[2, nan_or_inf < 0.4] = float("nan")
+    x[2, nan_or_inf > 0.6] = float("-inf")  # NaN and -inf mixed with values
+    x[3, k // 2:] = float("nan")  # fewer than k values: NaN selected as -inf would be, lowest columns
+    x[4, : cols - k // 3] = float("nan")
+    x[4, : cols // 4] = float("-inf")  # NaN / -inf ties around the k-th place
+    bits = torch.randint(0x7F800001, 0x7FFFFFFF, (cols,), device=DEVICE, generator=gen, dtype=torch.int32)
+    x[5] = torch.where(torch.rand(cols, device=DEVICE, generator=gen) < 0.5, bits.view(torch.float32), x[5])
+    x[5, ::2] = -x[5, ::2]  # other NaN bit patterns, both signs
+    x[6, ::5] = float("nan")
+    x[6, 1::5] = float("inf")
+    ends = torch.full((8,), cols, dtype=torch.int32, device=DEVICE)
+    ends[7] = k - 5  # a short row holding NaN: every visible column, then -1
+    x[7, ::2] = float("nan")
+    starts = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    starts[0], starts[2], starts[3] = 3, 77, 1
+    for plan in _plans(8, cols):
+        _check(x, k, ends, plan=plan)
+        _check(x, k, ends, starts, plan=plan)
 
 
 def test_slot_transform_and_row_request(kernel_ready):
@@ -131,31 +169,40 @@ def test_slot_transform_and_row_request(kernel_ready):
     pages = -(-cols // 64)
     table = torch.randperm(4 * pages, device=DEVICE).to(torch.int32).view(4, pages)
     req = torch.randint(0, 4, (rows,), device=DEVICE, dtype=torch.int32)
-    _check(logits, k, ends, None, table, req)
-    _check(logits, k, ends, None, table[:rows] if rows <= 4 else table.repeat(3, 1), None)
+    for plan in _plans(rows, cols):
+        _check(logits, k, ends, None, table, req, plan=plan)
+        _check(logits, k, ends, None, table[:rows] if rows <= 4 else table.repeat(3, 1), None, plan=plan)
 
 
-def test_bitwise_repeatable_and_graph_equals_eager(kernel_ready):
-    logits, ends, _ = _real_logits(8, 32768, seed=int(torch.randint(0, 1000, ())))
-    first = cuda_topk.topk_indices(logits, 2048, ends)
-    for _ in range(20):
-        assert torch.equal(cuda_topk.topk_indices(logits, 2048, ends), first)
-    out = torch.full_like(first, -7)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = cuda_topk.topk_indices(logits, 2048, ends)
-    captured.fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    out.copy_(captured)
-    assert torch.equal(out, first)
+@pytest.mark.parametrize("batch,ctx,real", [(8, 32768, True), (2, 131072, False), (64, 8192, False)])
+def test_bitwise_repeatable_and_graph_equals_eager(kernel_ready, batch, ctx, real):
+    if real:
+        logits, ends, _ = _real_logits(batch, ctx, seed=int(torch.randint(0, 1000, ())))
+    else:  # ties at the k-th value too: the column tie-break must repeat as well
+        logits = torch.randint(0, 200, (batch, ctx), device=DEVICE).float()
+        ends = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    ends[0] = ctx // 3
+    for plan in _plans(batch, ctx):
+        first = cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)
+        for _ in range(20):
+            assert torch.equal(cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan), first), plan
+        out = torch.full_like(first, -7)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)
+        captured.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        out.copy_(captured)
+        assert torch.equal(out, first), plan
 
 
 def test_strided_logits_rows(kernel_ready):
     base = torch.randn(6, 8192 + 256, device=DEVICE)
     view = base[:, 1:8193]  # unaligned rows: the scalar-load path
     ends = torch.full((6,), 8192, dtype=torch.int32, device=DEVICE)
-    _check(view, 2048, ends)
+    for plan in _plans(6, 8192, vec=1):
+        _check(view, 2048, ends, plan=plan)
 
 
 def test_lightning_indexer_cuda_matches_reference_on_its_logits(kernel_ready):

@@ -1,22 +1,29 @@
-"""The CUDA top-k (``csrc/topk.cu``): its launch plan, the adapter with the reference's signature, the self-test.
+"""The CUDA top-k: its launch plans, the adapter with the reference's signature, the self-test.
 
-Launch plan (a pure function of the shapes and the device, so a call can be captured in a CUDA graph):
-one cluster of ``C`` CTAs per row, 1024 threads each, the row's keys held in shared memory (at most
-`CHUNK_TARGET` columns per CTA, so rows up to 32K columns take one CTA). When rows are few and long, ``C`` grows
-(up to 8) while every CTA keeps >= 16K columns, so one 128K-column row still spreads over 8 SMs. Rows too wide
-for 8 CTAs (over about 360K columns) are handed to the Triton top-k, which takes any width.
+Two kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
+in a CUDA graph, and the plan is computed once per shape: `plan_for` is cached, so every layer of a decode step
+shares one plan and pays a dictionary look-up for it):
+
+- ``csrc/topk_registers.cu`` for rows up to 8 x 16K columns: 512-thread CTAs, each holding a chunk of
+  4K / 8K / 16K columns in registers (8 / 16 / 32 keys per thread); a row longer than one chunk is split over a
+  thread-block cluster of up to 8 CTAs (`register_plan`);
+- ``csrc/topk.cu`` for wider rows: 1024-thread CTAs holding up to 44K columns each in shared memory, a cluster of
+  up to 8 per row (`plan`). Rows too wide for that too (over about 360K columns) go to the Triton top-k, which
+  takes any width.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import NamedTuple
 
 import torch
 
 from . import jit
 
 SOURCE = "topk.cu"
+REGISTERS_SOURCE = "topk_registers.cu"
 THREADS = 1024
 MAX_CLUSTER = 8
 CHUNK_TARGET = 32768  # columns per CTA before the row is split over more CTAs
@@ -24,6 +31,18 @@ MAX_CHUNK = 44 * 1024  # columns per CTA that fit the 227 KB opt-in shared memor
 MIN_CHUNK = 16384  # a CTA gets at least this many columns when C grows (cluster barriers cost more below)
 MAX_GRID_ROWS = 65535
 SMEM_OPTIN_FALLBACK = 227 * 1024  # sm90 / sm100 opt-in shared memory per block
+REGISTERS_THREADS = 512
+REGISTERS_KEYS = (8, 16, 32)  # keys per thread the register kernel is built for
+REGISTERS_CTAS_PER_SM = 2  # 512 threads x 64 registers: two CTAs share an SM
+
+
+class Plan(NamedTuple):
+    """One launch: ``kernel`` "registers" (``per_cta`` = keys per thread) or "shared" (``per_cta`` = key
+    capacity per CTA in shared memory), ``cluster`` CTAs per row."""
+
+    kernel: str
+    cluster: int
+    per_cta: int
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +67,48 @@ def _library(capability: tuple[int, int]) -> ctypes.CDLL:
     return lib
 
 
+@functools.lru_cache(maxsize=None)
+def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
+    lib = jit.load(REGISTERS_SOURCE, capability)
+    lib.dsa_topk_registers_launch.restype = ctypes.c_int
+    lib.dsa_topk_registers_launch.argtypes = [
+        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_registers_chunk.restype = ctypes.c_int
+    lib.dsa_topk_registers_chunk.argtypes = [ctypes.c_int]
+    lib.dsa_topk_registers_error_string.restype = ctypes.c_char_p
+    lib.dsa_topk_registers_error_string.argtypes = [ctypes.c_int]
+    return lib
+
+
+def register_plan(rows: int, cols: int, sms: int) -> tuple[int, int] | None:
+    """(CTAs per row, keys per thread) of the register kernel for rows of ``cols`` columns; None when 8 CTAs of
+    16K columns cannot hold a row. Rows up to 8K take one CTA (no cluster barriers); longer rows take 8K-column
+    CTAs while the grid fits in one wave (2 CTAs per SM), else 16K-column CTAs (half the CTAs, each SM's two
+    CTAs overlapping one's loads with the other's select)."""
+    if cols <= 16 * REGISTERS_THREADS:
+        return 1, 8 if cols <= 8 * REGISTERS_THREADS else 16
+    slots = REGISTERS_CTAS_PER_SM * sms
+    for keys in (16, 32):
+        cluster = -(-cols // (keys * REGISTERS_THREADS))
+        if cluster <= MAX_CLUSTER and rows * cluster <= slots:
+            return cluster, keys
+    cluster = -(-cols // (REGISTERS_KEYS[-1] * REGISTERS_THREADS))
+    return (cluster, REGISTERS_KEYS[-1]) if cluster <= MAX_CLUSTER else None
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
+    """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
+    of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them)."""
+    reg = register_plan(rows, cols, sms)
+    if reg is not None:
+        return Plan("registers", *reg)
+    shared = plan(rows, cols, sms, vec)
+    return Plan("shared", *shared) if shared is not None else None
+
+
 def plan(rows: int, cols: int, sms: int, vec: int) -> tuple[int, int] | None:
     """(CTAs per row, key capacity per CTA) for rows of ``cols`` columns; None when 8 CTAs cannot hold a row."""
     step = 32 * vec
@@ -68,8 +129,15 @@ def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [R, k]: the k largest of each row within [starts, ends), ties to the lower column; the keys above
-    the k-th value in column order, then the lowest columns equal to it. Same signature as the reference."""
+    """int32 [R, k]: the k largest of each row within [starts, ends), ties to the lower column, a NaN ranked as
+    -inf; -1 padded when the window holds <= k columns. Same signature as the reference."""
+    return run_plan(logits, k, ends, starts, block_table, row_request, None)
+
+
+def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None,
+             block_table: torch.Tensor | None, row_request: torch.Tensor | None, forced: Plan | None
+             ) -> torch.Tensor:
+    """`topk_indices` with the launch ``forced`` (tests and benchmarks compare plans) or, when None, planned."""
     rows, cols = logits.shape
     device = logits.device
     out = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -80,13 +148,13 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, optin, capability = _device_facts(index)
     vec = 4 if x.data_ptr() % 16 == 0 and x.stride(0) % 4 == 0 else 1
-    lib = _library(capability)
-    launch = plan(rows, max(cols, 1), sms, vec)
-    if launch is None or not _fits(lib, launch[1], optin):
+    launch = forced if forced is not None else plan_for(rows, max(cols, 1), sms, vec)
+    if launch is not None and launch.kernel == "shared" and not _fits(_library(capability), launch.per_cta, optin):
+        launch = None
+    if launch is None:
         from ..triton.topk import topk_indices as wide_rows  # any width; the op's contract is the same
 
         return wide_rows(logits, k, ends, starts, block_table, row_request)
-    cluster, chunk_cols = launch
     ends = ends.contiguous()
     starts = starts.contiguous() if starts is not None else None
     bt = None
@@ -94,45 +162,66 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
         bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     req = row_request.contiguous() if row_request is not None else None
     stream = torch.cuda.current_stream(device).cuda_stream
-    err = lib.dsa_topk_launch(
-        x.data_ptr(), x.stride(0), rows, cols, k, starts.data_ptr() if starts is not None else None,
-        ends.data_ptr(), bt.data_ptr() if bt is not None else None, bt.stride(0) if bt is not None else 0,
-        req.data_ptr() if req is not None else None, out.data_ptr(), cluster, vec, chunk_cols, MAX_GRID_ROWS,
-        stream)
+    args = (x.data_ptr(), x.stride(0), rows, cols, k, starts.data_ptr() if starts is not None else None,
+            ends.data_ptr(), bt.data_ptr() if bt is not None else None, bt.stride(0) if bt is not None else 0,
+            req.data_ptr() if req is not None else None, out.data_ptr())
+    if launch.kernel == "registers":
+        lib = _registers_library(capability)
+        if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols:
+            raise ValueError(f"plan {launch} does not cover {cols} columns")
+        err = lib.dsa_topk_registers_launch(*args, launch.cluster, launch.per_cta, int(vec == 4), MAX_GRID_ROWS,
+                                            stream)
+        message = lib.dsa_topk_registers_error_string
+    else:
+        lib = _library(capability)
+        err = lib.dsa_topk_launch(*args, launch.cluster, vec, launch.per_cta, MAX_GRID_ROWS, stream)
+        message = lib.dsa_topk_error_string
     if err != 0:
-        raise RuntimeError(f"dsa_indexer CUDA top-k launch failed: {lib.dsa_topk_error_string(err).decode()} "
-                           f"(rows={rows}, cols={cols}, k={k}, cluster={cluster}, chunk={chunk_cols})")
+        raise RuntimeError(f"dsa_indexer CUDA top-k launch failed: {message(err).decode()} "
+                           f"(rows={rows}, cols={cols}, k={k}, plan={launch})")
     return out
 
 
 def _self_test_cases(device: torch.device):
-    """Small rows that exercise every branch: random, heavy ties at the k-th value, NaN / -inf, windows with
-    starts, short rows, a row split over a cluster, the slot transform."""
+    """Small rows that exercise every branch of both kernels: random, heavy ties at the k-th value, NaN / -inf,
+    windows with starts, short rows, rows split over a cluster, the slot transform, a row for the shared-memory
+    kernel."""
     gen = torch.Generator().manual_seed(4321)
     k = 64
-    rows = torch.randn(6, 3000, generator=gen)
+    rows = torch.randn(7, 3000, generator=gen)
     rows[1] = torch.randint(0, 4, (3000,), generator=gen).float()  # massive ties
     rows[2, ::7] = float("nan")
     rows[3, ::5] = float("-inf")
     rows[4] = 1.0  # all equal
-    ends = torch.tensor([3000, 2999, 2500, 3000, 3000, 40], dtype=torch.int32)
-    starts = torch.tensor([0, 3, 17, 1000, 0, 0], dtype=torch.int32)
+    rows[6, 100:] = float("nan")  # fewer than k values above NaN: NaN is selected as -inf would be
+    ends = torch.tensor([3000, 2999, 2500, 3000, 3000, 40, 3000], dtype=torch.int32)
+    starts = torch.tensor([0, 3, 17, 1000, 0, 0, 50], dtype=torch.int32)
     yield rows.to(device), k, ends.to(device), starts.to(device), None, None
-    long_row = torch.randn(2, 70000, generator=gen)  # 3 CTAs per row
+    long_row = torch.randn(2, 70000, generator=gen)  # a cluster of CTAs per row
+    long_row[1, ::3] = float("nan")
     yield long_row.to(device), 2048, torch.tensor([70000, 65001], dtype=torch.int32, device=device), None, None, None
     table = torch.randperm(64, generator=gen).to(torch.int32).view(2, 32)
     yield (torch.randn(2, 2048, generator=gen).to(device), 100, torch.tensor([2048, 90], dtype=torch.int32,
                                                                              device=device), None, table.to(device),
            None)
+    wide = torch.randint(0, 50, (1, 140000), generator=gen).float()  # wider than 8 x 16K: the shared kernel
+    yield wide.to(device), 2048, torch.tensor([140000], dtype=torch.int32, device=device), None, None, None
 
 
-def self_test(device: torch.device) -> None:
-    """Compare with the reference on `_self_test_cases`; raise RuntimeError naming the first difference."""
+def nan_as_neg_inf(logits: torch.Tensor) -> torch.Tensor:
+    """The library's NaN rule: a NaN score ranks exactly as -inf (what every top-k must equal the reference on)."""
+    return torch.where(torch.isnan(logits), torch.full_like(logits, float("-inf")), logits)
+
+
+def self_test(device: torch.device, topk=None) -> None:
+    """Compare ``topk`` (default this module's `topk_indices`) with the reference on `_self_test_cases` (the
+    reference sees the rows with NaN replaced by -inf); raise RuntimeError naming the first difference."""
     from ..reference import kernels as ref
 
+    topk = topk or topk_indices
     for n, (logits, k, ends, starts, table, req) in enumerate(_self_test_cases(device)):
-        got = topk_indices(logits, k, ends, starts, table, req)
-        want = ref.topk_indices(logits, k, ends, starts, table, req)
+        got = topk(logits, k, ends, starts, table, req)
+        want = ref.topk_indices(nan_as_neg_inf(logits), k, ends, starts, table, req)
         got_sets = torch.sort(got, dim=1).values
         want_sets = torch.sort(want, dim=1).values
         if not torch.equal(got_sets, want_sets):
@@ -154,6 +243,7 @@ def probe() -> str | None:
         return f"the CUDA top-k uses thread-block clusters tuned for sm90 / sm100; this GPU is sm{major}x"
     try:
         _library(torch.cuda.get_device_capability())
+        _registers_library(torch.cuda.get_device_capability())
     except jit.CudaBuildError as exc:
         return f"CUDA top-k kernel not built: {exc}"
     except OSError as exc:

@@ -2,8 +2,8 @@
 //
 // Contract (the reference's `topk_indices`): per row r, the k largest values among columns [starts[r], ends[r]),
 // ties to the lower column, int32 positions relative to starts[r] (or physical cache slots when a block table is
-// given), -1 padding when the window holds <= k columns. NaN counts as the largest value and -0.0 equals +0.0,
-// as torch.sort orders them.
+// given), -1 padding when the window holds <= k columns. A NaN ranks exactly as -inf (the library's NaN rule: the
+// result equals the reference's on the row with every NaN replaced by -inf) and -0.0 equals +0.0.
 //
 // Design: a row is loaded ONCE from global memory into shared memory (as order-preserving uint32 keys), split
 // over a thread-block cluster of C CTAs when it is long (C <= 8, distributed shared memory joins the
@@ -69,10 +69,12 @@ struct Smem {
   int cand_sel[kCandCap];
 };
 
+constexpr unsigned kNegInfKey = 0x007fffffu;  // order_key(-inf)
+
 __device__ __forceinline__ unsigned order_key(float value) {
   unsigned u = __float_as_uint(value);
-  if (u == 0x80000000u) u = 0u;                              // -0.0 == +0.0
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffffffffu;   // every NaN is the largest key
+  if (u == 0x80000000u) u = 0u;                             // -0.0 == +0.0
+  if ((u & 0x7fffffffu) > 0x7f800000u) return kNegInfKey;   // every NaN bit pattern ranks as -inf
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -81,15 +83,15 @@ __device__ __forceinline__ float key_value(unsigned key) {  // order_key's inver
 }
 
 __device__ __forceinline__ bool finite_key(unsigned key) {
-  return key != 0xffffffffu && key != 0xff800000u && key != 0x007fffffu;  // not NaN, +inf, -inf
+  return key != 0xff800000u && key != kNegInfKey;  // not +inf, not -inf (NaN has -inf's key)
 }
 
-// Level 0 in value space: 4096 equal-width bins over the row's finite [lo, hi], NaN and +inf in the top bin,
-// -inf in the bottom one. Non-decreasing in the value (float rounding is monotone), so it selects exactly.
+// Level 0 in value space: 4096 equal-width bins over the row's finite [lo, hi], +inf in the top bin, -inf (and
+// NaN, which has its key) in the bottom one. Non-decreasing in the value (float rounding is monotone), so it selects exactly.
 // Equal value-width bins put few keys in the k-th value's bin whatever the row's scale and sign; bins on
 // the order key's bits are 1/8 octave wide across zero and hold a few percent of a normal-looking row.
 __device__ __forceinline__ unsigned value_digit(unsigned key, float lo, float inv_width) {
-  if (key == 0xffffffffu || key >= 0xff800000u) return kBins - 1;
+  if (key >= 0xff800000u) return kBins - 1;
   const float q = (key_value(key) - lo) * inv_width;
   return q <= 0.f ? 0u : (q >= (float)(kBins - 1) ? (unsigned)(kBins - 1) : (unsigned)q);
 }

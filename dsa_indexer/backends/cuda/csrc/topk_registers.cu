@@ -1,0 +1,362 @@
+// Exact top-k of fp32 rows with the row held in REGISTERS (sm90 / sm100): the fast path for rows up to 128K
+// columns (`topk.cu` keeps the shared-memory kernel for wider rows). Compiled at first use (`jit.py`).
+//
+// Contract (the reference's `topk_indices`): per row r, the k largest values among columns [starts[r], ends[r]),
+// ties to the lower column, int32 positions relative to starts[r] (or physical cache slots when a block table is
+// given), -1 padding when the window holds <= k columns. A NaN ranks exactly as -inf and -0.0 equals +0.0. The
+// order of the k positions is not part of the contract; it is fixed (deterministic): CTA, then warp, then lane,
+// then the thread's own columns.
+//
+// Why this design (the shared-memory kernel paid ~9 us fixed plus ~1 us per 1K columns per CTA, four passes over
+// shared memory and ~15 block barriers):
+// - A CTA of 512 threads holds a chunk of KPT * 512 columns (KPT = 8, 16 or 32 keys per thread, 4K-16K columns)
+//   as order-preserving uint32 keys in registers: the row is read from global memory once, coalesced (float4),
+//   and every later pass is a loop over the thread's own registers, no shared-memory traffic except histogram
+//   atomics. 512 threads x <= 64 registers lets 2 CTAs share an SM, so one CTA's loads overlap another's select.
+// - A row longer than one chunk is split over a thread-block cluster of C <= 8 CTAs; the histograms are merged
+//   through distributed shared memory (each CTA sums its peers' bins), so every CTA takes the same decisions
+//   without global scratch, atomics in global memory or a second launch.
+// - Radix select on the key with 11 / 11 / 10-bit digits (2048-bin histograms); a level stops the search as
+//   soon as the threshold bin is taken whole (the usual case on real logits after two levels). Only keys in the
+//   current threshold bin touch the histogram after level 1.
+// - Ties at the exact k-th key (only when more keys equal it than are needed): a second radix select over the
+//   tied keys' columns (key2 = ~column within 20 bits, larger = lower column) picks the lowest columns exactly.
+// - The output positions: a block exclusive scan of per-thread selected counts (and the lower CTAs' totals), so
+//   no atomic decides a position and the result is bitwise repeatable.
+// Launch shape and plan depend on tensor shapes only (no host synchronization: graph-capturable).
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBinBits = 11;
+constexpr int kBins = 1 << kBinBits;
+constexpr int kBinsPerThread = kBins / kThreads;  // 4: one int4 per thread
+static_assert(kBinsPerThread == 4, "find_bin reads one int4 of bins per thread");
+constexpr int kPage = 64;
+constexpr int kColBits = 20;  // the tie-break key ~column: windows are at most 8 x 16K columns (< 2^20)
+constexpr unsigned kNegInfKey = 0x007fffffu;  // order_key(-inf); key 0 marks a column outside the window
+
+struct Params {
+  const float* x;
+  long long x_stride;
+  int rows;
+  int cols;
+  int k;
+  const int* starts;  // may be null: every window starts at 0
+  const int* ends;
+  const int* block_table;  // may be null: request-local positions
+  long long bt_stride;
+  const int* row_request;  // may be null: row r reads block_table row r
+  int* out;
+  int aligned;  // 1: every row base is 16-byte aligned (float4 loads)
+};
+
+struct Shared {
+  int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
+  int warp_sum[kWarps];
+  int found[3];        // bin, k remaining within it, its count
+  int cta_total;       // selected in this CTA (read by the higher-ranked peers)
+};
+
+__device__ __forceinline__ unsigned order_key(float value) {
+  unsigned u = __float_as_uint(value);
+  if (u == 0x80000000u) u = 0u;                            // -0.0 == +0.0
+  if ((u & 0x7fffffffu) > 0x7f800000u) return kNegInfKey;  // every NaN bit pattern ranks as -inf
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);       // >= kNegInfKey > 0 for every value
+}
+
+__device__ __forceinline__ int out_value(int local, int req, const Params& p) {
+  if (p.block_table == nullptr || local < 0) return local;
+  const int page = p.block_table[(long long)req * p.bt_stride + local / kPage];
+  return page * kPage + local % kPage;
+}
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::); }
+
+// The bin holding the k_rem-th largest element of this level's (cluster-merged) histogram `h`, how many of it
+// are still needed, and its count; every thread of every CTA of the cluster gets the same answer. `next` (the
+// other buffer) is cleared on the way: every peer has finished reading it (it was merged one level ago, before
+// this level's cluster barrier). Barriers: the cluster's (or the block's) once, the block's twice.
+__device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
+                                         int csize, int& bin, int& need, int& count) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  if (csize > 1) cluster.sync(); else __syncthreads();  // this level's atomics are complete everywhere
+  int4 v = reinterpret_cast<const int4*>(h)[t];
+  if (csize > 1) {
+    v = make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int q0 = 0; q0 < 8; q0 += 4) {  // four peers' loads in flight before their adds (DSMEM latency),
+      int4 w[4];                         // not eight: the keys already take half the registers
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        if (q0 + q < csize) w[q] = reinterpret_cast<const int4*>(cluster.map_shared_rank(h, q0 + q))[t];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (q0 + q < csize) {
+          v.x += w[q].x;
+          v.y += w[q].y;
+          v.z += w[q].z;
+          v.w += w[q].w;
+        }
+      }
+    }
+  }
+  reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+  const int mine = v.x + v.y + v.z + v.w;
+  int incl = mine;  // sum over lanes >= lane (bins above this thread's, within the warp)
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, incl, off);
+    if (lane + off < 32) incl += y;
+  }
+  if (lane == 0) s.warp_sum[warp] = incl;
+  __syncthreads();
+  int above = incl - mine;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w)
+    if (w > warp) above += s.warp_sum[w];
+  if (above < k_rem && above + mine >= k_rem) {  // exactly one thread holds the crossing
+    const int c[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 3; i >= 0; --i) {
+      if (above < k_rem && above + c[i] >= k_rem) {
+        s.found[0] = t * 4 + i;
+        s.found[1] = k_rem - above;
+        s.found[2] = c[i];
+      }
+      above += c[i];
+    }
+  }
+  __syncthreads();
+  bin = s.found[0];
+  need = s.found[1];
+  count = s.found[2];
+}
+
+template <int KPT>
+__global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
+  static_assert(KPT % 4 == 0, "keys are loaded as float4");
+  constexpr int kChunk = KPT * kThreads;
+  constexpr int kVecs = KPT / 4;
+  __shared__ __align__(16) Shared s;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int csize = (int)cluster.num_blocks();
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+
+  for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    const int end = p.ends[row];
+    const int start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = end - start;
+
+    if (width <= p.k) {  // every visible column, then -1 (uniform over the cluster: no cluster barrier here)
+      const int per = (p.k + csize - 1) / csize;
+      const int lo = rank * per, hi = min(p.k, lo + per);
+      for (int j = lo + t; j < hi; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;
+    }
+
+    // Column of key [j][i]: base + j * 4 * kThreads + 4 * t + i. base is 16-byte aligned when rows are.
+    const int base = (start & ~3) + rank * kChunk;
+    const float* x_row = p.x + (long long)row * p.x_stride;
+    reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);  // level 0's histogram (peers are past it)
+
+    unsigned key[KPT];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int c0 = base + j * 4 * kThreads + 4 * t;
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p.aligned && c0 + 4 <= end) {  // (end <= cols: inside the row)
+        if (c0 >= start) {
+          const float4 q = __ldg(reinterpret_cast<const float4*>(x_row + c0));
+          f[0] = q.x;
+          f[1] = q.y;
+          f[2] = q.z;
+          f[3] = q.w;
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) f[i] = c0 + i >= start ? __ldg(x_row + c0 + i) : 0.f;
+        }
+      } else if (c0 < end) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = (c0 + i >= start && c0 + i < end) ? __ldg(x_row + c0 + i) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int c = c0 + i;
+        key[j * 4 + i] = (c >= start && c < end) ? order_key(f[i]) : 0u;
+      }
+    }
+    __syncthreads();  // the cleared histogram before any atomic
+
+    // ---- radix select on the key: 11 + 11 + 10 bits, stopping when the threshold bin is taken whole
+    int level = 0;
+    unsigned prefix = 0u;  // the resolved high bits of the k-th key: the class is key >> shift == prefix
+    int shift = 32;
+    int k_rem = p.k;
+    bool tie = false;      // the class is one exact key with more members than needed: break by column
+    while (true) {
+      const int nshift = shift > kBinBits ? shift - kBinBits : 0;
+      const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
+      int* h = s.hist[level & 1];
+#pragma unroll
+      for (int e = 0; e < KPT; ++e) {
+        const unsigned kk = key[e];
+        const bool in_class = kk != 0u && (shift >= 32 || (kk >> shift) == prefix);
+        if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+      }
+      int bin, need, count;
+      find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, bin, need, count);
+      ++level;
+      prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
+      shift = nshift;
+      k_rem = need;
+      if (count == need) break;  // the whole bin is taken
+      if (shift == 0) {
+        tie = true;
+        break;
+      }
+    }
+
+    // ---- ties: among keys equal to `prefix`, the k_rem lowest columns (key2 = ~column, larger = lower column)
+    unsigned prefix2 = 0u;
+    int shift2 = kColBits;
+    if (tie) {
+      while (true) {
+        const int nshift = shift2 > kBinBits ? shift2 - kBinBits : 0;
+        const unsigned digit_mask = (1u << (shift2 - nshift)) - 1u;
+        int* h = s.hist[level & 1];
+#pragma unroll
+        for (int e = 0; e < KPT; ++e) {
+          if (key[e] == prefix) {
+            const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+            const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
+            if (shift2 >= kColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
+          }
+        }
+        int bin, need, count;
+        find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, bin, need, count);
+        ++level;
+        prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
+        shift2 = nshift;
+        k_rem = need;
+        if (count == need) break;  // columns are distinct: at the latest when shift2 reaches 0
+      }
+    }
+
+    // ---- selection and ordered write: position = lower CTAs' + lower warps' + lower lanes' selected counts
+    unsigned selected = 0u;  // bit e: key[e] is selected
+#pragma unroll
+    for (int e = 0; e < KPT; ++e) {
+      const unsigned kk = key[e];
+      bool sel = false;
+      if (kk != 0u) {
+        const unsigned cls = kk >> shift;
+        sel = cls > prefix;
+        if (cls == prefix) {
+          if (!tie) {
+            sel = true;
+          } else {
+            const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+            const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
+            sel = (k2 >> shift2) >= prefix2;
+          }
+        }
+      }
+      selected |= sel ? (1u << e) : 0u;
+    }
+    const int mine = __popc(selected);
+    int incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    if (lane == 31) s.warp_sum[warp] = incl;  // (every thread read found / warp_sum of the last level already)
+    __syncthreads();
+    int offset = incl - mine, cta_total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int n = s.warp_sum[w];
+      offset += w < warp ? n : 0;
+      cta_total += n;
+    }
+    if (csize > 1) {
+      if (t == 0) s.cta_total = cta_total;
+      cluster.sync();
+      for (int q = 0; q < rank; ++q) offset += *cluster.map_shared_rank(&s.cta_total, q);
+      cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+    }
+#pragma unroll
+    for (int e = 0; e < KPT; ++e) {
+      if (selected & (1u << e)) {
+        const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+        out_row[offset++] = out_value(c - start, req, p);
+      }
+    }
+    // No CTA may clear its histogram (next row) or exit while a peer may still read its shared memory; the
+    // block barrier keeps warp_sum from being overwritten by the next row's scan before every warp read it.
+    if (csize > 1) cluster_wait(); else __syncthreads();
+  }
+}
+
+template <int KPT>
+cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)cluster, (unsigned)grid_rows, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, topk_registers_kernel<KPT>, p);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* dsa_topk_registers_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+
+// Columns one CTA holds for `keys_per_thread` (8, 16 or 32); 0 for any other value.
+int dsa_topk_registers_chunk(int keys_per_thread) {
+  return (keys_per_thread == 8 || keys_per_thread == 16 || keys_per_thread == 32) ? keys_per_thread * kThreads : 0;
+}
+
+// Launch on `stream`; returns a cudaError_t (0 = success). `cluster` in 1..8 CTAs per row, each holding
+// keys_per_thread * 512 columns; cluster * chunk must be >= cols (a window's first chunk starts at its start rounded
+// down to a multiple of 4, so the chunks cover [that, that + cluster * chunk), which holds [start, end) as end <=
+// cols). `aligned`: every row base is 16-byte aligned.
+int dsa_topk_registers_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
+                              const int* ends, const int* block_table, long long bt_stride, const int* row_request,
+                              int* out, int cluster, int keys_per_thread, int aligned, int max_grid_rows,
+                              void* stream) {
+  Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
+  const int grid_rows = rows < max_grid_rows ? rows : max_grid_rows;
+  cudaError_t err;
+  switch (keys_per_thread) {
+    case 8: err = launch<8>(p, cluster, grid_rows, (cudaStream_t)stream); break;
+    case 16: err = launch<16>(p, cluster, grid_rows, (cudaStream_t)stream); break;
+    case 32: err = launch<32>(p, cluster, grid_rows, (cudaStream_t)stream); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+}  // extern "C"
