@@ -1,49 +1,70 @@
 """A test double of the Ascend ``torch_npu`` indexer ops, in plain torch (CPU). It is NOT torch_npu.
 
-The library's CPU tests use it to run the NPU adapter end to end without an Ascend device: ``install`` puts a
-``TorchNpuDouble`` into ``sys.modules["torch_npu"]`` and a small ``torch.npu`` stand-in onto ``torch``.
+Two forms, one arithmetic:
 
-The double is written from the documented semantics of the torch_npu functions, independently of the adapter:
+* ``schema_ops(release)`` registers test-only operators with torch.library (namespace ``dsa_npu_test_<release>``)
+  under the EXACT schema strings op-plugin publishes (tests/data/torch_npu_schemas.json, with source repo, path and
+  commit), with CPU kernels running the functions below. torch_npu exports its kernels the same way
+  (``torch_npu.<op>`` is the ``torch.ops.npu.<op>`` OpOverloadPacket), so ``install_schema_ops`` gives the library a
+  ``torch_npu`` whose attributes are real operator objects: detection reads their schemas and every adapter call is
+  bound by the schema (a keyword, position or type it does not take raises), as with torch_npu.
+* ``TorchNpuDouble`` / ``install``: the same functions as plain Python attributes, an extra (its signatures are
+  Python signatures of the same arguments).
+
+The functions are written from torch_npu's documented semantics (op-plugin ``docs/zh/custom_APIs/torch_npu/``),
+independently of the adapter:
 
 * ``npu_lightning_indexer`` / ``npu_quant_lightning_indexer``: per query token t and visible key s, the score
   ``sum_h w[t,h] * relu(q[t,h] . k[s])`` (quant: ``relu(q_scale[t,h] * k_scale[s] * (q_int8[t,h] . k_int8[s]))``),
-  in fp32; output the ``sparse_count`` best visible positions, request-local, best first, padded with -1.
-* ``npu_quant_lightning_indexer_metadata``: an opaque int32 tensor the quant indexer checks against its arguments.
+  in fp32; output the ``sparse_count`` best visible positions, request-local, best first, padded with -1. The quant
+  indexer returns that one tensor; the float one (indices, values).
 * ``npu_scatter_nd_update_`` and ``npu_dynamic_quant``: the cache write and the per-row int8 quantization.
-* ``npu_rotary_mul``: RoPE with full-width cos / sin, "half" (rotate-half) or "interleave" pairs.
+* ``npu_rotary_mul``: RoPE with full-width cos / sin, "half" (rotate-half) or "interleave" pairs, with the documented
+  shape limits (jit_compile=False, A2 / A3): 3-D input is TND (r1 / r2 T1D or TND; interleave T1D only), 4-D input
+  is read as BSND, the layout the adapter uses (r1 / r2 1S1D, BS1D or BSND; interleave 1S1D only); half mode needs
+  B < 1000 and N < 1000, interleave B * N < 1000; D even and < 896; r1 / r2 in [-1, 1]. (The kernel infers the
+  layout from the shapes; this double reads 4-D as BSND only, so a shape that is valid only under another reading
+  fails here.)
 
 Choices where torch_npu documents nothing (the tests pin them):
 
 * ties in score are broken by the LOWER key position (torch_npu does not document its tie order);
+* NaN scores: op-plugin documents the top-k order of NaN as undefined; this double refuses NaN in its float inputs
+  (so a test that lets one through fails) instead of picking an order;
 * ``npu_dynamic_quant`` uses the symmetric range -127..127 (never -128) and rounds half to even (torch.round);
 * ``key_dequant_scale`` may be ``key.shape[:-1]`` ([block_count, block_size, 1] for PA_BSND) or ``key.shape[:-2]``
   ([block_count, block_size]);
 * with layout_query BSND and per-batch query counts, rows past a batch's count are all -1 (values -inf);
 * only the block_table entries a request uses are range-checked (callers pad the rest with anything);
 * ``pre_tokens``/``next_tokens`` are accepted and ignored: the mask is set by ``sparse_mode`` alone;
-* cmp_ratio 4 needs layout_key PA_BSND (or BSND); ragged TND keys are cmp_ratio 1 only;
 * a block_table passed with a layout_key other than PA_BSND is an error (it would be silently unused).
 """
 
 import functools
 import importlib.machinery
 import inspect
+import json
 import math
+import re
 import sys
 import types
+from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_VERSION", "NpuDeviceDouble", "TorchNpuDouble", "install"]
+__all__ = ["DEFAULT_VERSION", "NpuDeviceDouble", "SCHEMAS", "TorchNpuDouble", "install", "install_schema_ops",
+           "schema_ops"]
 
 DEFAULT_VERSION = "2.7.1.post1"
 MAX_SPARSE_COUNT = 2048
 HEADS_Q, HEADS_K, HEAD_DIM = 64, 1, 128
 NO_LIMIT = 2**63 - 1
+ROTARY_LIMIT = 1000  # half: B, N < 1000; interleave: B * N < 1000
+ROTARY_MAX_D = 896  # D < 896
 _FLOATS = (torch.bfloat16, torch.float16)
 _LAYOUTS_Q = ("BSND", "TND")
 _LAYOUTS_K = ("BSND", "TND", "PA_BSND")
-_METADATA_MAGIC = 0x4E505544  # "NPUD": marks a tensor made by this double's metadata function
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "torch_npu_schemas.json").read_text())
 
 
 def _fail(message: str):
@@ -71,19 +92,15 @@ def _check_heads_dim(name, t, heads):
         _fail(f"{name} head dim D must be {HEAD_DIM}, got {t.shape[-1]}")
 
 
-def _check_attrs(layout_query, layout_key, count_name, sparse_count, sparse_mode, cmp_ratio=1):
+def _check_attrs(layout_query, layout_key, sparse_count, sparse_mode):
     if layout_query not in _LAYOUTS_Q:
         _fail(f"layout_query must be one of {_LAYOUTS_Q}, got {layout_query!r}")
     if layout_key not in _LAYOUTS_K:
         _fail(f"layout_key must be one of {_LAYOUTS_K}, got {layout_key!r}")
     if isinstance(sparse_count, bool) or not isinstance(sparse_count, int) or not 1 <= sparse_count <= MAX_SPARSE_COUNT:
-        _fail(f"{count_name} must be an int in [1, {MAX_SPARSE_COUNT}], got {sparse_count!r}")
+        _fail(f"sparse_count must be an int in [1, {MAX_SPARSE_COUNT}], got {sparse_count!r}")
     if sparse_mode not in (0, 3):
         _fail(f"sparse_mode must be 0 (no mask) or 3 (bottom-right causal), got {sparse_mode!r}")
-    if cmp_ratio not in (1, 4):
-        _fail(f"cmp_ratio must be 1 or 4, got {cmp_ratio!r}")
-    if cmp_ratio != 1 and layout_key == "TND":
-        _fail("cmp_ratio 4 needs layout_key PA_BSND or BSND (this double keeps ragged TND keys to cmp_ratio 1)")
 
 
 def _lengths(name, t, batch=None) -> list[int]:
@@ -137,8 +154,8 @@ def _query_spans(layout, query, lengths):
     return [(b * s1, counts[b]) for b in range(batch)], (batch, s1, HEADS_K)
 
 
-def _key_rows(layout, key, lengths, block_table, batch, cmp_ratio=1):
-    """-> (per-request flat row indices of its cache entries in key.reshape(-1, D), original key lengths L)."""
+def _key_rows(layout, key, lengths, block_table, batch):
+    """-> (per-request flat row indices of its keys in key.reshape(-1, D), key lengths L)."""
     if layout != "PA_BSND" and block_table is not None:
         _fail(f"block_table is only used with layout_key PA_BSND, got layout_key {layout!r}")
     if layout == "TND":
@@ -151,8 +168,8 @@ def _key_rows(layout, key, lengths, block_table, batch, cmp_ratio=1):
         if key.shape[0] != batch:
             _fail(f"key batch {key.shape[0]} does not match the query's {batch}")
         s2 = key.shape[1]
-        counts = _counts("actual_seq_lengths_key", lengths, batch, s2 * cmp_ratio)
-        return [b * s2 + torch.arange(n // cmp_ratio) for b, n in enumerate(counts)], counts
+        counts = _counts("actual_seq_lengths_key", lengths, batch, s2)
+        return [b * s2 + torch.arange(n) for b, n in enumerate(counts)], counts
     # PA_BSND: position p of request b lives at key[block_table[b, p // bs], p % bs, 0].
     block_count, block_size = key.shape[0], key.shape[1]
     if block_size % 16 or not 16 <= block_size <= 1024:
@@ -164,7 +181,7 @@ def _key_rows(layout, key, lengths, block_table, batch, cmp_ratio=1):
         _fail(f"block_table must have {batch} rows (one per request), got {block_table.shape[0]}")
     rows = []
     for b, n in enumerate(counts):
-        pos = torch.arange(n // cmp_ratio)
+        pos = torch.arange(n)
         need = -(-len(pos) // block_size)
         if need > block_table.shape[1]:
             _fail(f"block_table is too narrow: request {b} needs {need} blocks, it has {block_table.shape[1]} columns")
@@ -175,12 +192,11 @@ def _key_rows(layout, key, lengths, block_table, batch, cmp_ratio=1):
     return rows, counts
 
 
-def _visible(n, length, cmp_ratio, sparse_mode):
-    """How many cache entries each of a request's n queries sees (sparse_mode 3: bottom-right-aligned causal)."""
+def _visible(n, length, sparse_mode):
+    """How many keys each of a request's n queries sees (sparse_mode 3: bottom-right-aligned causal)."""
     if sparse_mode == 0:
-        return torch.full((n,), length // cmp_ratio, dtype=torch.long)
-    ends = (length - n + 1 + torch.arange(n)).clamp(0, length)
-    return torch.div(ends, cmp_ratio, rounding_mode="floor")
+        return torch.full((n,), length, dtype=torch.long)
+    return (length - n + 1 + torch.arange(n)).clamp(0, length)
 
 
 def _top(scores, visible, k):
@@ -199,7 +215,7 @@ def _top(scores, visible, k):
     return idx, val
 
 
-def _run(spans, key_rows, lengths, out_prefix, k, sparse_mode, cmp_ratio, score, return_value):
+def _run(spans, key_rows, lengths, out_prefix, k, sparse_mode, score, return_value):
     rows = math.prod(out_prefix)  # the trailing N2 axis is 1
     indices = torch.full((rows, k), -1, dtype=torch.int32)
     values = torch.full((rows, k), float("-inf"))
@@ -207,7 +223,7 @@ def _run(spans, key_rows, lengths, out_prefix, k, sparse_mode, cmp_ratio, score,
         if n == 0:
             continue
         q_rows = torch.arange(start, start + n)
-        idx, val = _top(score(q_rows, kr), _visible(n, length, cmp_ratio, sparse_mode), k)
+        idx, val = _top(score(q_rows, kr), _visible(n, length, sparse_mode), k)
         indices[q_rows], values[q_rows] = idx, val
     indices = indices.reshape(*out_prefix, k)
     return indices, (values.reshape(*out_prefix, k) if return_value else torch.empty(0))
@@ -216,9 +232,16 @@ def _run(spans, key_rows, lengths, out_prefix, k, sparse_mode, cmp_ratio, score,
 # ----------------------------------------------------------------------------------------------- the ops
 
 
-def _lightning_indexer(query, key, weights, aslq, aslk, block_table, layout_query, layout_key,
-                       count_name, sparse_count, sparse_mode, return_value):
-    _check_attrs(layout_query, layout_key, count_name, sparse_count, sparse_mode)
+def _finite(name, t):
+    if not bool(torch.isfinite(t.float()).all()):
+        _fail(f"{name} holds NaN or inf: the kernels' top-k order of NaN is undefined (this double refuses them)")
+
+
+def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                          block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3,
+                          pre_tokens=NO_LIMIT, next_tokens=NO_LIMIT, return_value=False):
+    """bf16 / fp16 indexer -> (sparse_indices int32 [.., 1, sparse_count], sparse_values (empty unless asked))."""
+    _check_attrs(layout_query, layout_key, sparse_count, sparse_mode)
     q_dim = 3 if layout_query == "TND" else 4
     _check_tensor("query", query, _FLOATS, q_dim)
     for name, t in (("key", key), ("weights", weights)):
@@ -230,8 +253,12 @@ def _lightning_indexer(query, key, weights, aslq, aslk, block_table, layout_quer
     _check_heads_dim("key", key, HEADS_K)
     if weights.shape != query.shape[:-1]:
         _fail(f"weights must have shape {tuple(query.shape[:-1])} (query without D), got {tuple(weights.shape)}")
-    spans, out_prefix = _query_spans(layout_query, query, aslq)
-    key_rows, lengths = _key_rows(layout_key, key, aslk, block_table, len(spans))
+    spans, out_prefix = _query_spans(layout_query, query, actual_seq_lengths_query)
+    key_rows, lengths = _key_rows(layout_key, key, actual_seq_lengths_key, block_table, len(spans))
+    _finite("query", query)
+    _finite("weights", weights)
+    for kr in key_rows:
+        _finite("key (the rows a request reads)", key.reshape(-1, HEAD_DIM)[kr])
     q = query.reshape(-1, HEADS_Q, HEAD_DIM).float()
     w = weights.reshape(-1, HEADS_Q).float()
     k = key.reshape(-1, HEAD_DIM).float()
@@ -240,111 +267,20 @@ def _lightning_indexer(query, key, weights, aslq, aslk, block_table, layout_quer
         logits = torch.relu(torch.einsum("thd,sd->ths", q[q_rows], k[k_rows]))
         return (w[q_rows, :, None] * logits).sum(dim=1)
 
-    return _run(spans, key_rows, lengths, out_prefix, sparse_count, sparse_mode, 1, score, return_value)
+    return _run(spans, key_rows, lengths, out_prefix, sparse_count, sparse_mode, score, return_value)
 
 
-def npu_lightning_indexer_sparse_count(query, key, weights, *, actual_seq_lengths_query=None,
-                                       actual_seq_lengths_key=None, block_table=None, layout_query="BSND",
-                                       layout_key="BSND", sparse_count=2048, sparse_mode=3, pre_tokens=NO_LIMIT,
-                                       next_tokens=NO_LIMIT, return_value=False):
-    """The current signature (``sparse_count``)."""
-    return _lightning_indexer(query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
-                              layout_query, layout_key, "sparse_count", sparse_count, sparse_mode, return_value)
-
-
-def npu_lightning_indexer_selected_count(query, key, weights, *, actual_seq_lengths_query=None,
-                                         actual_seq_lengths_key=None, block_table=None, layout_query="BSND",
-                                         layout_key="BSND", selected_count=2048, sparse_mode=3, pre_tokens=NO_LIMIT,
-                                         next_tokens=NO_LIMIT, return_value=False):
-    """An older signature: the top-k keyword is ``selected_count``, and ``sparse_count`` is not accepted."""
-    return _lightning_indexer(query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key, block_table,
-                              layout_query, layout_key, "selected_count", selected_count, sparse_mode, return_value)
-
-
-_METADATA_FIELDS = ("num_heads_q", "num_heads_k", "head_dim", "query_quant_mode", "key_quant_mode",
-                    "layout_query", "layout_key", "sparse_count", "sparse_mode", "cmp_ratio", "batch_size",
-                    "max_seqlen_q", "max_seqlen_k", "actual_seq_lengths_query", "actual_seq_lengths_key")
-_LENGTH_FIELDS = ("actual_seq_lengths_query", "actual_seq_lengths_key")  # lists (None when not given)
-
-
-def npu_quant_lightning_indexer_metadata(num_heads_q, num_heads_k, head_dim, query_quant_mode, key_quant_mode, *,
-                                         actual_seq_lengths_query=None, actual_seq_lengths_key=None, batch_size=0,
-                                         max_seqlen_q=0, max_seqlen_k=0, layout_query="BSND", layout_key="BSND",
-                                         sparse_count=2048, sparse_mode=3, pre_tokens=NO_LIMIT, next_tokens=NO_LIMIT,
-                                         cmp_ratio=1, device="npu:0"):
-    """An opaque int32 tensor (on CPU: this double has no NPU) that encodes what the quant indexer checks.
-
-    batch_size 0 means "from the length tensors"; max_seqlen_q/k 0 mean "no bound", otherwise the indexer checks
-    every request's query count / key length (original tokens) fits under them. pre_tokens/next_tokens are not
-    encoded (they are ignored, see the module doc)."""
-    _check_attrs(layout_query, layout_key, "sparse_count", sparse_count, sparse_mode, cmp_ratio)
+def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode,
+                                key_quant_mode, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                                block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
+                                sparse_mode=3, pre_tokens=NO_LIMIT, next_tokens=NO_LIMIT, query_dtype=None,
+                                key_dtype=None):
+    """Per-token-head int8 indexer (A2 / A3: int8 query and key, fp16 weights and scales) -> sparse_indices."""
+    _check_attrs(layout_query, layout_key, sparse_count, sparse_mode)
     if query_quant_mode != 0 or key_quant_mode != 0:
         _fail(f"query_quant_mode/key_quant_mode must be 0 (per-token-head), got {query_quant_mode}/{key_quant_mode}")
-    if (num_heads_q, num_heads_k, head_dim) != (HEADS_Q, HEADS_K, HEAD_DIM):
-        _fail(f"num_heads_q/num_heads_k/head_dim must be {HEADS_Q}/{HEADS_K}/{HEAD_DIM}, "
-              f"got {num_heads_q}/{num_heads_k}/{head_dim}")
-    aslq = None if actual_seq_lengths_query is None else _lengths("actual_seq_lengths_query", actual_seq_lengths_query)
-    aslk = None if actual_seq_lengths_key is None else _lengths("actual_seq_lengths_key", actual_seq_lengths_key)
-    for name, given in (("actual_seq_lengths_query", aslq), ("actual_seq_lengths_key", aslk)):
-        if given is not None:
-            if batch_size and len(given) != batch_size:
-                _fail(f"{name} has {len(given)} entries but batch_size is {batch_size}")
-            batch_size = len(given)
-    values = (num_heads_q, num_heads_k, head_dim, query_quant_mode, key_quant_mode, _LAYOUTS_Q.index(layout_query),
-              _LAYOUTS_K.index(layout_key), sparse_count, sparse_mode, cmp_ratio, batch_size, max_seqlen_q,
-              max_seqlen_k, aslq, aslk)
-    flat = [_METADATA_MAGIC]  # then each field; a length list as its size then its entries, None as -1
-    for value in values:
-        flat += [-1] if value is None else ([len(value)] + value if isinstance(value, list) else [int(value)])
-    return torch.tensor(flat, dtype=torch.int32)
-
-
-def _decode_metadata(metadata) -> dict:
-    if not isinstance(metadata, torch.Tensor) or metadata.dtype != torch.int32 or metadata.dim() != 1:
-        _fail("metadata must be the int32 tensor returned by npu_quant_lightning_indexer_metadata")
-    flat, fields, at = metadata.tolist(), {}, 1
-    if not flat or flat[0] != _METADATA_MAGIC:
-        _fail("metadata was not produced by npu_quant_lightning_indexer_metadata")
-    try:
-        for name in _METADATA_FIELDS:
-            if name in _LENGTH_FIELDS:
-                n = flat[at]
-                fields[name], at = (None, at + 1) if n < 0 else (flat[at + 1: at + 1 + n], at + 1 + n)
-            else:
-                fields[name], at = flat[at], at + 1
-        fields["layout_query"] = _LAYOUTS_Q[fields["layout_query"]]
-        fields["layout_key"] = _LAYOUTS_K[fields["layout_key"]]
-    except IndexError:
-        _fail("metadata is truncated or corrupt")
-    if at != len(flat):
-        _fail("metadata has trailing entries")
-    return fields
-
-
-def _check_metadata(metadata, expected, q_counts, k_lengths):
-    got = _decode_metadata(metadata)
-    bounds = {"max_seqlen_q": max(q_counts, default=0), "max_seqlen_k": max(k_lengths, default=0)}
-    for name, want in expected.items():
-        if name in bounds:
-            if got[name] and bounds[name] > got[name]:
-                _fail(f"stale metadata: {name} is {got[name]} but a request has {bounds[name]}")
-        elif name == "batch_size":
-            if got[name] and got[name] != want:
-                _fail(f"stale metadata: batch_size is {got[name]}, the call has {want} requests")
-        elif got[name] != want:
-            _fail(f"stale metadata: {name} was {got[name]} when the metadata was built, the call has {want}")
-
-
-def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale,
-                                actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
-                                metadata=None, *, query_quant_mode=0, key_quant_mode=0, layout_query="BSND",
-                                layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, pre_tokens=NO_LIMIT,
-                                next_tokens=NO_LIMIT, cmp_ratio=1, return_value=False):
-    """Per-token-head int8 indexer. cmp_ratio 4: actual_seq_lengths_key counts original tokens L, the cache holds
-    L // 4 entries per request and indices are entry numbers. ``metadata``, when given, must match the call."""
-    _check_attrs(layout_query, layout_key, "sparse_count", sparse_count, sparse_mode, cmp_ratio)
-    if query_quant_mode != 0 or key_quant_mode != 0:
-        _fail(f"query_quant_mode/key_quant_mode must be 0 (per-token-head), got {query_quant_mode}/{key_quant_mode}")
+    if query_dtype is not None or key_dtype is not None:
+        _fail("query_dtype / key_dtype (fp8 / hifloat8 inputs on Ascend 950) are not emulated: pass None")
     q_dim = 3 if layout_query == "TND" else 4
     _check_tensor("query", query, (torch.int8,), q_dim)
     _check_tensor("key", key, (torch.int8,), 3 if layout_key == "TND" else 4)
@@ -360,17 +296,15 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
         got = tuple(key_dequant_scale.shape) if isinstance(key_dequant_scale, torch.Tensor) else key_dequant_scale
         _fail(f"key_dequant_scale must have shape {tuple(key.shape[:-1])} or {tuple(key.shape[:-2])}, got {got}")
     _check_tensor("key_dequant_scale", key_dequant_scale, (torch.float16,), key_dequant_scale.dim())
+    _finite("weights", weights)
     for name, t in (("query_dequant_scale", query_dequant_scale), ("key_dequant_scale", key_dequant_scale)):
         if not bool((t >= 0).all()):  # also rejects NaN
             _fail(f"{name} must be >= 0 (it is a dequantization scale)")
+        _finite(name, t)
+    _finite("weights * query_dequant_scale (must stay within fp16)", (weights.float() * query_dequant_scale.float()
+                                                                      ).to(torch.float16))
     spans, out_prefix = _query_spans(layout_query, query, actual_seq_lengths_query)
-    key_rows, lengths = _key_rows(layout_key, key, actual_seq_lengths_key, block_table, len(spans), cmp_ratio)
-    if metadata is not None:
-        aslq, aslk = (None if t is None else t.tolist() for t in (actual_seq_lengths_query, actual_seq_lengths_key))
-        expected = dict(zip(_METADATA_FIELDS, (
-            query.shape[-2], key.shape[-2], query.shape[-1], query_quant_mode, key_quant_mode, layout_query,
-            layout_key, sparse_count, sparse_mode, cmp_ratio, len(spans), None, None, aslq, aslk)))
-        _check_metadata(metadata, expected, [n for _, n in spans], lengths)
+    key_rows, lengths = _key_rows(layout_key, key, actual_seq_lengths_key, block_table, len(spans))
     # int8 . int8 over D = 128 is at most 2**21 in magnitude: exact in fp32 whatever the summation order.
     q = query.reshape(-1, HEADS_Q, HEAD_DIM).float()
     k = key.reshape(-1, HEAD_DIM).float()
@@ -383,7 +317,8 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
         logits = torch.relu(qs[q_rows, :, None] * ks[k_rows][None, None, :] * dots)
         return (w[q_rows, :, None] * logits).sum(dim=1)
 
-    return _run(spans, key_rows, lengths, out_prefix, sparse_count, sparse_mode, cmp_ratio, score, return_value)
+    indices, _ = _run(spans, key_rows, lengths, out_prefix, sparse_count, sparse_mode, score, False)
+    return indices
 
 
 def npu_scatter_nd_update_(self, indices, updates):
@@ -403,12 +338,17 @@ def npu_scatter_nd_update_(self, indices, updates):
     return self
 
 
-def npu_dynamic_quant(x, smooth_scales=None):
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                      dst_type_max=0.0):
     """Symmetric per-row int8: scale = amax(|x|) / 127 (fp32, shape x.shape[:-1]), q = round(x / scale) in -127..127.
 
-    ``smooth_scales`` [x.shape[-1]] multiplies x first. A zero row gets the floor scale float32.tiny and q = 0."""
+    ``smooth_scales`` [x.shape[-1]] multiplies x first. A zero row gets the floor scale float32.tiny and q = 0.
+    Only the int8 per-token form is emulated (group_index, dst_type None, quant_mode "pertoken")."""
+    x = input
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS or x.dim() < 1:
         _fail(f"x must be a float16/bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if group_index is not None or dst_type is not None or quant_mode != "pertoken":
+        _fail("only the int8 per-token form is emulated (group_index=None, dst_type=None, quant_mode='pertoken')")
     xf = x.float()
     if smooth_scales is not None:
         if not isinstance(smooth_scales, torch.Tensor) or tuple(smooth_scales.shape) != (x.shape[-1],):
@@ -419,18 +359,53 @@ def npu_dynamic_quant(x, smooth_scales=None):
     return q, scale
 
 
-def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+def _rotary_layout(x, r, rotary_mode):
+    """Check the documented (jit_compile=False) limits; 3-D is TND, 4-D is read as BSND (this double's reading)."""
+    d = x.shape[-1]
+    if d % 2 or d >= ROTARY_MAX_D:
+        _fail(f"npu_rotary_mul needs D even and < {ROTARY_MAX_D}, got D = {d}")
+    if r.shape[-1] != d:
+        _fail(f"r1 / r2 must end in D = {d}, got {list(r.shape)}")
+    if x.dim() == 3:
+        t, n, _ = x.shape
+        allowed = {"T1D": (t, 1, d), "TND": (t, n, d)}
+        batch = 1
+    else:
+        batch, seq, n, _ = x.shape
+        allowed = {"1S1D": (1, seq, 1, d), "BS1D": (batch, seq, 1, d), "BSND": (batch, seq, n, d)}
+    if rotary_mode == "interleave":
+        allowed = dict(list(allowed.items())[:1])  # 1S1D (BSND) / T1D (TND) only
+        if batch * n >= ROTARY_LIMIT:
+            _fail(f"npu_rotary_mul interleave mode needs B * N < {ROTARY_LIMIT}, got B = {batch}, N = {n} "
+                  f"(input {list(x.shape)} read as {'TND' if x.dim() == 3 else 'BSND'})")
+    elif batch >= ROTARY_LIMIT or n >= ROTARY_LIMIT:
+        _fail(f"npu_rotary_mul half mode needs B < {ROTARY_LIMIT} and N < {ROTARY_LIMIT}, got B = {batch}, N = {n} "
+              f"(input {list(x.shape)} read as {'TND' if x.dim() == 3 else 'BSND'})")
+    if tuple(r.shape) not in allowed.values():
+        _fail(f"{rotary_mode} mode takes r1 / r2 of layout {' / '.join(allowed)} {list(allowed.values())} for input "
+              f"{list(x.shape)} ({'TND' if x.dim() == 3 else 'BSND'}), got {list(r.shape)}")
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
     """RoPE as documented for torch_npu.npu_rotary_mul: ``input * r1 + rotate(input) * r2`` with r1 = cos, r2 = sin
-    given at full width and broadcast to input (4-D). "half": rotate(x) = cat(-x[D/2:], x[:D/2]) (r1, r2 hold each
+    given at full width and broadcast to input. "half": rotate(x) = cat(-x[D/2:], x[:D/2]) (r1, r2 hold each
     angle twice, halves repeated); "interleave": pairs (2i, 2i+1), rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]
     (r1, r2 hold each angle twice, adjacent). Computed in fp32, returned in input's dtype."""
-    for name, t in (("input", input), ("r1", r1), ("r2", r2)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            _fail(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    if not isinstance(input, torch.Tensor) or input.dim() not in (3, 4):
+        _fail(f"input must be a 3-D (TND) or 4-D tensor, got {getattr(input, 'shape', type(input).__name__)}")
+    for name, t in (("r1", r1), ("r2", r2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != input.dim():
+            _fail(f"{name} must be a {input.dim()}-D tensor like input, got {getattr(t, 'shape', type(t).__name__)}")
     if rotary_mode not in ("half", "interleave"):
         _fail(f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
-    if input.shape[-1] % 2 or r1.shape[-1] != input.shape[-1] or r2.shape != r1.shape:
-        _fail(f"r1 / r2 must match input's last dim {input.shape[-1]} (even), got {list(r1.shape)}, {list(r2.shape)}")
+    if rotate is not None:
+        _fail("the rotate matrix form is not emulated: pass rotate=None")
+    if r2.shape != r1.shape:
+        _fail(f"r1 and r2 must have one shape, got {list(r1.shape)}, {list(r2.shape)}")
+    _rotary_layout(input, r1, rotary_mode)
+    for name, t in (("r1", r1), ("r2", r2)):
+        if not bool((t.float().abs() <= 1).all()):
+            _fail(f"{name} must lie in [-1, 1] (it is a cos / sin)")
     x = input.float()
     if rotary_mode == "half":
         a, b = x.chunk(2, dim=-1)
@@ -438,6 +413,106 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
     else:
         rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
     return (x * r1.float() + rotated * r2.float()).to(input.dtype)
+
+
+FUNCTIONS = {"npu_lightning_indexer": npu_lightning_indexer,
+             "npu_quant_lightning_indexer": npu_quant_lightning_indexer,
+             "npu_scatter_nd_update_": npu_scatter_nd_update_, "npu_dynamic_quant": npu_dynamic_quant,
+             "npu_rotary_mul": npu_rotary_mul}
+
+
+# ----------------------------------------------------------------------------------------------- real operators
+
+_registered: dict = {}  # release -> (torch.library.Library, namespace, calls list): each namespace is defined once
+
+
+def _namespace(release: str) -> str:
+    return "dsa_npu_test_" + re.sub(r"[^0-9a-zA-Z]+", "_", release).strip("_").lower()
+
+
+def _kernel(name, schema, calls):
+    """A CPU kernel for ``schema`` that records the bound call (defaults filled in) and runs the double's function
+    of the same name."""
+    fn = FUNCTIONS[name]
+    params = inspect.signature(fn).parameters
+    arg_names = [a.name for a in schema.arguments]
+
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+
+    def kernel(*args, **kwargs):
+        # the dispatcher drops trailing arguments equal to their defaults: fill them back in from the schema
+        bound = {**defaults, **dict(zip(arg_names, args)), **kwargs}
+        calls.append((name, dict(bound)))
+        # the schema's first argument is "self" / "input"; the double names it as the documentation does
+        if arg_names[0] not in params:
+            first = next(iter(params))
+            bound[first] = bound.pop(arg_names[0])
+        unknown = set(bound) - set(params)
+        if unknown:
+            _fail(f"{name}: the schema passes {sorted(unknown)}, which this double does not emulate")
+        positional = [p for p in params.values() if p.kind != p.KEYWORD_ONLY]
+        return fn(*[bound.pop(p.name) for p in positional if p.name in bound], **bound)
+
+    return kernel
+
+
+def schema_ops(release: str = "op-plugin master"):
+    """(namespace object of OpOverloadPackets, recorded calls) for the schemas of ``release`` in SCHEMAS, defined
+    with torch.library on first use (CPU kernels over this double's functions)."""
+    if release not in SCHEMAS["schemas"]:
+        raise ValueError(f"release must be one of {sorted(SCHEMAS['schemas'])}, got {release!r}")
+    if release not in _registered:
+        ns = _namespace(release)
+        lib = torch.library.Library(ns, "DEF")
+        calls: list = []
+        for name, text in SCHEMAS["schemas"][release].items():
+            lib.define(text)
+            packet = getattr(getattr(torch.ops, ns), name)
+            lib.impl(name, _kernel(name, packet.default._schema, calls), "CPU")
+        _registered[release] = (lib, ns, calls)
+    _, ns, calls = _registered[release]
+    return getattr(torch.ops, ns), calls
+
+
+def define_ops(namespace: str, schemas: dict):
+    """Extra operators (e.g. a schema the adapter must refuse) in their own namespace, with the double's kernels;
+    returns the namespace object. ``schemas``: op name -> schema string."""
+    if namespace in _registered:  # a namespace is defined once per process
+        return getattr(torch.ops, namespace)
+    lib = torch.library.Library(namespace, "DEF")
+    calls: list = []
+    for name, text in schemas.items():
+        lib.define(text)
+        packet = getattr(getattr(torch.ops, namespace), name)
+        lib.impl(name, _kernel(name, packet.default._schema, calls), "CPU")
+    _registered[namespace] = (lib, namespace, calls)
+    return getattr(torch.ops, namespace)
+
+
+class SchemaTorchNpu(types.ModuleType):
+    """Stands in for ``torch_npu``: its op attributes are the registered OpOverloadPackets, as torch_npu's are
+    ``torch.ops.npu.<op>``. ``calls`` lists (op name, {argument: value}) as the kernels received them."""
+
+    def __init__(self, release="op-plugin master", ops=None, version=None):
+        super().__init__("torch_npu", self.__doc__)
+        self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
+        self.__version__ = version or f"(test operators: {release} schemas)"
+        namespace, self.calls = schema_ops(release)
+        names = SCHEMAS["schemas"][release] if ops is None else ops
+        for name in names:
+            setattr(self, name, getattr(namespace, name))
+
+
+def install_schema_ops(monkeypatch, release="op-plugin master", *, ops=None, available=True,
+                       device_name="Ascend910B3", version=None):
+    """``import torch_npu`` gives a SchemaTorchNpu (only ``ops`` among the release's ops, if given) and ``torch.npu``
+    a NpuDeviceDouble, undone by monkeypatch. The calls list is the release's, shared by all installs: it is cleared
+    here."""
+    module = SchemaTorchNpu(release, ops, version)
+    module.calls.clear()
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(torch, "npu", NpuDeviceDouble(available, device_name), raising=False)
+    return module
 
 
 # ----------------------------------------------------------------------------------------------- module and install
@@ -460,28 +535,17 @@ class NpuDeviceDouble:
 
 
 class TorchNpuDouble(types.ModuleType):
-    """A test double of the ``torch_npu`` module (plain torch on CPU), not torch_npu.
+    """A test double of the ``torch_npu`` module with plain Python functions (the extra form; see the module doc).
 
-    ``variant`` picks the npu_lightning_indexer signature: "sparse_count" (current) or "selected_count" (older).
     Every call is appended to ``calls`` as (function name, {parameter: value} for the arguments the caller passed,
     positional ones by name); defaults are not filled in."""
 
-    def __init__(self, variant="sparse_count", version=None):
+    def __init__(self, version=None):
         super().__init__("torch_npu", self.__doc__)
-        indexers = {"sparse_count": npu_lightning_indexer_sparse_count,
-                    "selected_count": npu_lightning_indexer_selected_count}
-        if variant not in indexers:
-            raise ValueError(f"variant must be one of {sorted(indexers)}, got {variant!r}")
         self.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
         self.__version__ = DEFAULT_VERSION if version is None else version
-        self.variant = variant
         self.calls: list[tuple[str, dict]] = []
-        for name, fn in (("npu_lightning_indexer", indexers[variant]),
-                         ("npu_quant_lightning_indexer", npu_quant_lightning_indexer),
-                         ("npu_quant_lightning_indexer_metadata", npu_quant_lightning_indexer_metadata),
-                         ("npu_scatter_nd_update_", npu_scatter_nd_update_),
-                         ("npu_dynamic_quant", npu_dynamic_quant),
-                         ("npu_rotary_mul", npu_rotary_mul)):
+        for name, fn in FUNCTIONS.items():
             setattr(self, name, self._recorded(name, fn))
 
     def _recorded(self, name, fn):
@@ -497,10 +561,10 @@ class TorchNpuDouble(types.ModuleType):
         return wrapper
 
 
-def install(monkeypatch, *, variant="sparse_count", available=True, device_name="Ascend910B3", version=None):
+def install(monkeypatch, *, available=True, device_name="Ascend910B3", version=None):
     """Make ``import torch_npu`` give a fresh TorchNpuDouble and ``torch.npu`` a NpuDeviceDouble (undone by
     monkeypatch at the end of the test). Returns the double."""
-    double = TorchNpuDouble(variant=variant, version=version)
+    double = TorchNpuDouble(version=version)
     monkeypatch.setitem(sys.modules, "torch_npu", double)
     monkeypatch.setattr(torch, "npu", NpuDeviceDouble(available, device_name), raising=False)
     return double

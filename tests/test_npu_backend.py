@@ -1,11 +1,14 @@
-"""The Ascend backend end to end on the CPU, through a torch_npu TEST DOUBLE (tests/npu_double.py: the documented
-semantics of torch_npu's indexer ops in plain torch; it is not torch_npu and proves nothing about the real kernels'
-numerics or speed).
+"""The Ascend backend end to end on the CPU, through operators registered with torch.library under torch_npu's
+published schemas (tests/npu_double.py ``install_schema_ops``: real OpOverloadPackets, as torch_npu's ops are, whose
+CPU kernels run the documented semantics in plain torch; it is not torch_npu and proves nothing about the real
+kernels' numerics or speed).
 
-What runs here for real: the NPU registrations and their problem checks, the adapters' argument layout (TND queries,
-PA_BSND keys, cumulative query lengths, token key lengths, cmp_ratio, metadata, the keyword of older builds), the
-plain cache layouts and their store, `Indexer.forward` for prefill (with a prefix, bounded into chunks), decode and
-speculative decode, V4's C4 indexer with int8 keys, and `dsa-indexer run --target npu`.
+What runs here for real: schema-based detection, the NPU registrations and their problem checks, the adapters'
+calls bound by the published schemas (TND queries, PA_BSND keys, cumulative int32 query lengths, token key lengths),
+the plain cache layouts and their store, `Indexer.forward` for prefill (with a prefix, bounded into chunks), decode
+and speculative decode, V4 on npu (its C4 indexer refused, its prologues on the NPU ops), and
+`dsa-indexer run --target npu`. tests/test_npu_schemas.py covers each release's schemas, refusals, the RoPE limits
+and the NaN rule.
 
 Near-tie rule for comparing with the reference: the double and the reference compute the same fp32 scores from the
 same bf16 / int8 values but sum in different orders, so a set may differ only in keys whose reference score lies
@@ -19,7 +22,7 @@ import contextlib
 import pytest
 import torch
 
-from npu_double import install
+from npu_double import install, install_schema_ops
 from dsa_indexer import DecodeBatch, Indexer, IndexerConfig, PrefillBatch, ops
 from dsa_indexer.backends import npu as npu_backend
 from dsa_indexer.backends.reference import kernels as ref
@@ -47,8 +50,8 @@ REFERENCE_IMPLS = {"lightning_indexer_ragged": "lightning_indexer_ragged.referen
 
 @pytest.fixture
 def npu(monkeypatch):
-    """The double installed, the probe re-run against it, the default registry's environment fresh."""
-    double = install(monkeypatch)
+    """The schema operators installed as torch_npu, the probe re-run against them, the registry's environment fresh."""
+    double = install_schema_ops(monkeypatch)
     monkeypatch.setattr(npu_backend.LIBRARY, "detected", None)
     reg = default_registry()
     previous = reg.environment
@@ -211,12 +214,13 @@ def test_bounded_prefill_on_the_npu_path_matches_one_pass(npu):
     assert sum(c[0] == "npu_lightning_indexer" for c in npu.calls[before:]) > 2
 
 
-def test_v4_c4_int8_keys_through_the_quant_indexer(npu):
+def test_v4_on_npu_refuses_the_c4_indexer_and_runs_its_prologues_on_the_npu_ops(npu):
+    """No released torch_npu indexer takes compressed keys: V4's C4 scoring falls back to the reference (with the
+    reason), while its interleaved RoPE, int8 quant and store run on the NPU operators."""
     idx = Indexer(V4_SMALL, target="npu").init_random(6)
     cache = idx.allocate_cache(4)
     assert cache.layout == "paged64_int8"
     state = CompressorState.allocate(2, V4_SMALL)
-    gen = torch.Generator().manual_seed(7)
     table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
 
     def steps(cache, state):
@@ -229,12 +233,19 @@ def test_v4_c4_int8_keys_through_the_quant_indexer(npu):
         out.append(idx(x, q_lora, db.positions, db, cache, compressor_state=state))
         return out
 
-    got = steps(cache, state)
-    calls = [c[1] for c in npu.calls if c[0] == "npu_quant_lightning_indexer"]
-    assert len(calls) == 2
-    assert calls[0]["cmp_ratio"] == 4 and calls[0]["metadata"] is not None  # the double checks it matches
-    assert calls[0]["actual_seq_lengths_key"].tolist() == [230, 170]  # tokens; the kernel divides by cmp_ratio
-    assert calls[0]["query"].dtype == torch.int8 and calls[0]["weights"].dtype == torch.float16
+    with pytest.warns(RuntimeWarning, match="compressed keys \\(compress_ratio 4"):
+        got = steps(cache, state)
+    names = [c[0] for c in npu.calls]
+    assert "npu_quant_lightning_indexer" not in names and "npu_lightning_indexer" not in names
+    rotary = [c[1] for c in npu.calls if c[0] == "npu_rotary_mul"]
+    assert rotary and all(c["rotary_mode"] == "interleave" for c in rotary)
+    assert all(c["self"].shape[0] == 1 and c["r1"].shape == (1, c["self"].shape[1], 1, c["self"].shape[3])
+               for c in rotary)  # [1, T, N, R] with 1S1D cos / sin
+    assert "npu_dynamic_quant" in names and "npu_scatter_nd_update_" in names
+    res = default_registry().resolve("lightning_indexer_ragged", idx.target, ops.problem(
+        "lightning_indexer_ragged", heads=64, dim=128, k=32, format="int8", ratio=4))
+    cand = [c for c in res.candidates if c.impl.impl_id == NPU_IMPLS["lightning_indexer_ragged"]][0]
+    assert "no released torch_npu indexer takes a compression ratio" in cand.reason
     ref_cache, ref_state = idx.allocate_cache(4), CompressorState.allocate(2, V4_SMALL)
     with forced(REFERENCE_IMPLS):
         want = steps(ref_cache, ref_state)
@@ -254,26 +265,63 @@ def test_v4_c4_int8_keys_through_the_quant_indexer(npu):
     assert int((got[0][229] >= 0).sum()) == min(V4_SMALL.topk, 230 // 4)  # entries j < (p + 1) // 4
 
 
-def test_older_torch_npu_keyword_is_detected(monkeypatch):
-    double = install(monkeypatch, variant="selected_count")
+def _int8_indexer_inputs(seed):
+    """Two requests (a 3-row prefill over 150 keys, a decode row over 70) on an int8 cache with random pages."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = 6
+    cache = torch.randint(-127, 128, (pages, 64, 1, 128), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(pages, 64, 1, generator=gen) * 0.02 + 0.001).half()
+    q = torch.randint(-127, 128, (4, 64, 128), generator=gen, dtype=torch.int8)
+    q_scales = (torch.rand(4, 64, generator=gen) * 0.02 + 0.001).half()
+    weights = torch.randn(4, 64, generator=gen)
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    seq = torch.tensor([150, 70], dtype=torch.int32)
+    table = torch.tensor([[4, 1, 5], [2, 0, 3]], dtype=torch.int32)
+    return q, q_scales, cache, scales, weights, cu, seq, table
+
+
+def test_int8_keys_through_the_quant_indexer_schema(npu):
+    q, q_scales, cache, scales, weights, cu, seq, table = _int8_indexer_inputs(10)
+    with forced({"lightning_indexer_ragged": NPU_IMPLS["lightning_indexer_ragged"]}):
+        got = ops.lightning_indexer_ragged(q, q_scales, cache, scales, weights, cu, seq, table, 40, target="npu")
+    (name, call), = [c for c in npu.calls if c[0] == "npu_quant_lightning_indexer"]
+    assert (call["query_quant_mode"], call["key_quant_mode"], call["layout_query"], call["layout_key"],
+            call["sparse_count"], call["sparse_mode"]) == (0, 0, "TND", "PA_BSND", 40, 3)
+    assert call["weights"].dtype == torch.float16 and call["query_dequant_scale"].dtype == torch.float16
+    assert call["actual_seq_lengths_query"].tolist() == [3, 4] and call["actual_seq_lengths_key"].tolist() == [150, 70]
+    with forced({"lightning_indexer_ragged": REFERENCE_IMPLS["lightning_indexer_ragged"]}):
+        want = ops.lightning_indexer_ragged(q, q_scales, cache, scales, weights, cu, seq, table, 40, target="npu")
+    plain = IndexKCache(cache, layout="paged64_int8", scales=scales)
+    request_of = [0, 0, 0, 1]
+
+    def scores_of(row):
+        b = request_of[row]
+        return _plain_scores(plain, q[row], q_scales[row], weights[row], table[b], int(seq[b]))
+
+    # the kernel takes fp16 weights (the reference fp32): near ties may swap
+    _assert_same_sets_up_to_near_ties(got, want, scores_of)
+    assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1))
+
+
+def test_the_plain_python_double_still_drives_the_adapter(monkeypatch):
+    """The extra form: plain functions (Python signatures, no types) are detected and called the same way."""
+    double = install(monkeypatch)
     monkeypatch.setattr(npu_backend.LIBRARY, "detected", None)
     assert npu_backend.torch_npu_probe() is None
-    assert npu_backend.LIBRARY.detected_api().indexer_count == "selected_count"
-    adapter = default_registry().implementation_by_id("lightning_indexer_ragged.npu.torch_npu").factory() \
-        if hasattr(default_registry(), "implementation_by_id") else None
-    if adapter is None:
-        from dsa_indexer.backends.npu.lightning import make_lightning_indexer_ragged
+    api = npu_backend.LIBRARY.detected_api()
+    assert api.indexer is not None and api.signatures["npu_lightning_indexer"].source == "python signature"
+    from dsa_indexer.backends.npu.lightning import make_lightning_indexer_ragged
 
-        adapter = make_lightning_indexer_ragged(npu_backend.detected_api)
+    adapter = make_lightning_indexer_ragged(npu_backend.detected_api)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(3, 64, 128, generator=gen).to(torch.bfloat16)
     cache = torch.randn(2, 64, 1, 128, generator=gen).to(torch.bfloat16)
     out = adapter(q, torch.empty(0, dtype=torch.float16), cache, torch.empty(0, dtype=torch.float16),
                   torch.randn(3, 64, generator=gen), torch.tensor([0, 3], dtype=torch.int32),
                   torch.tensor([100], dtype=torch.int32), torch.tensor([[1, 0]], dtype=torch.int32), 16)
-    assert out.shape == (3, 16)
+    assert out.shape == (3, 16) and bool((out[:, 0] >= 0).all())
     name, kwargs = double.calls[-1]
-    assert name == "npu_lightning_indexer" and kwargs["selected_count"] == 16 and "sparse_count" not in kwargs
+    assert name == "npu_lightning_indexer" and kwargs["sparse_count"] == 16
 
 
 def test_constraints_are_problem_checks_with_reasons(npu):

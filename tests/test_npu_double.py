@@ -1,4 +1,5 @@
-"""The torch_npu test double (`npu_double`) against a straightforward per-token Python loop, plus its checks."""
+"""The torch_npu test double (`npu_double`) against a straightforward per-token Python loop, plus its checks; its
+two forms (operators under the published schemas, plain functions) agree."""
 
 import importlib
 import importlib.util
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import npu_double
-from npu_double import TorchNpuDouble, install
+from npu_double import SCHEMAS, TorchNpuDouble, install, schema_ops
 
 H, D = 64, 128
 # (query count n, key length L): decode, speculative, prefill with a prefix, prefill without, more queries than
@@ -85,12 +86,12 @@ def lay_out_key(layout, keys, g, block_size=64):
 # ----------------------------------------------------------------------------------------------- the loop
 
 
-def loop_topk(n, length, count, sparse_mode, score_of, cmp_ratio=1):
+def loop_topk(n, length, count, sparse_mode, score_of):
     """For each of a request's n queries: its visible entries, scored one query at a time, best first by sort."""
     rows, vals = [], []
     for i in range(n):
         end = length if sparse_mode == 0 else min(max(length - n + i + 1, 0), length)
-        visible = end // cmp_ratio
+        visible = end
         scores = score_of(i, visible).tolist() if visible else []
         order = sorted(range(visible), key=lambda s: (-scores[s], s))[:count]
         rows.append(order + [-1] * (count - len(order)))
@@ -183,8 +184,8 @@ def test_ties_go_to_the_lower_position():
 # ----------------------------------------------------------------------------------------------- quant indexer
 
 
-def quant_inputs(spec, cmp_ratio, block_size, g, scale_shape="3d"):
-    entries = [length // cmp_ratio for _, length in spec]
+def quant_inputs(spec, block_size, g, scale_shape="3d"):
+    entries = [length for _, length in spec]
     q = [torch.randint(-127, 128, (n, H, D), generator=g, dtype=torch.int8) for n, _ in spec]
     w = [torch.randn(n, H, generator=g).half() for n, _ in spec]
     qs = [(torch.rand(n, H, generator=g) + 0.05).half() for n, _ in spec]
@@ -196,57 +197,32 @@ def quant_inputs(spec, cmp_ratio, block_size, g, scale_shape="3d"):
     if scale_shape == "2d":
         key_scale = key_scale[..., 0].contiguous()
     args = dict(query=torch.cat(q), key=key, weights=torch.cat(w), query_dequant_scale=torch.cat(qs),
-                key_dequant_scale=key_scale, actual_seq_lengths_query=cumulative([n for n, _ in spec]),
+                key_dequant_scale=key_scale, query_quant_mode=0, key_quant_mode=0,
+                actual_seq_lengths_query=cumulative([n for n, _ in spec]),
                 actual_seq_lengths_key=torch.tensor([length for _, length in spec], dtype=torch.int32),
                 block_table=table)
     return args, [quant_score(*r) for r in zip(q, w, qs, [e[:, 0] for e in k], [e[:, 0] for e in ks])]
 
 
-@pytest.mark.parametrize("cmp_ratio,block_size,scale_shape,with_metadata", [
-    (1, 64, "3d", False), (1, 128, "2d", True), (4, 64, "3d", True), (4, 128, "2d", False)])
-def test_quant_indexer_matches_loop(cmp_ratio, block_size, scale_shape, with_metadata):
+@pytest.mark.parametrize("block_size,scale_shape", [(64, "3d"), (128, "2d")])
+def test_quant_indexer_matches_loop(block_size, scale_shape):
     g, count = gen(4), 16
     spec = [(1, 203), (2, 150), (6, 90), (3, 9), (2, 2)]
-    args, scorers = quant_inputs(spec, cmp_ratio, block_size, g, scale_shape)
-    npu = TorchNpuDouble()
-    if with_metadata:
-        args["metadata"] = npu.npu_quant_lightning_indexer_metadata(
-            H, 1, D, 0, 0, actual_seq_lengths_query=args["actual_seq_lengths_query"],
-            actual_seq_lengths_key=args["actual_seq_lengths_key"], layout_query="TND", layout_key="PA_BSND",
-            sparse_count=count, sparse_mode=3, cmp_ratio=cmp_ratio)
-    idx, val = npu.npu_quant_lightning_indexer(**args, layout_query="TND", layout_key="PA_BSND",
-                                               sparse_count=count, sparse_mode=3, cmp_ratio=cmp_ratio,
-                                               return_value=True)
-    per_request = [loop_topk(n, length, count, 3, score, cmp_ratio) for (n, length), score in zip(spec, scorers)]
-    want_idx, want_val = expected("TND", spec, per_request, count)
-    assert torch.equal(idx, want_idx)
+    args, scorers = quant_inputs(spec, block_size, g, scale_shape)
+    idx = TorchNpuDouble().npu_quant_lightning_indexer(**args, layout_query="TND", layout_key="PA_BSND",
+                                                       sparse_count=count, sparse_mode=3)
+    per_request = [loop_topk(n, length, count, 3, score) for (n, length), score in zip(spec, scorers)]
+    want_idx, _ = expected("TND", spec, per_request, count)
+    assert isinstance(idx, torch.Tensor) and torch.equal(idx, want_idx)  # one tensor, as the schema returns
     assert (idx == -1).any() and (idx[..., -1] >= 0).any()
-    check_values(val, want_val)
 
 
-def metadata_for(npu, args, **overrides):
-    kw = dict(actual_seq_lengths_query=args["actual_seq_lengths_query"],
-              actual_seq_lengths_key=args["actual_seq_lengths_key"], layout_query="TND", layout_key="PA_BSND",
-              sparse_count=16, sparse_mode=3, cmp_ratio=1)
-    kw.update(overrides)
-    return npu.npu_quant_lightning_indexer_metadata(H, 1, D, 0, 0, **kw)
-
-
-@pytest.mark.parametrize("override,message", [
-    (dict(actual_seq_lengths_key=torch.tensor([203, 151, 90], dtype=torch.int32)), "actual_seq_lengths_key"),
-    (dict(actual_seq_lengths_query=torch.tensor([1, 2, 9], dtype=torch.int32)), "actual_seq_lengths_query"),
-    (dict(sparse_count=32), "sparse_count"), (dict(sparse_mode=0), "sparse_mode"), (dict(cmp_ratio=4), "cmp_ratio"),
-    (dict(layout_key="BSND"), "layout_key"), (dict(max_seqlen_k=100), "max_seqlen_k"),
-    (dict(max_seqlen_q=2), "max_seqlen_q")])
-def test_stale_metadata_is_caught(override, message):
-    args, _ = quant_inputs([(1, 203), (2, 150), (6, 90)], 1, 64, gen(5))
-    npu = TorchNpuDouble()
-    call = dict(layout_query="TND", layout_key="PA_BSND", sparse_count=16, sparse_mode=3, cmp_ratio=1)
-    npu.npu_quant_lightning_indexer(**args, metadata=metadata_for(npu, args), **call)  # matching: fine
-    with pytest.raises(RuntimeError, match=message):
-        npu.npu_quant_lightning_indexer(**args, metadata=metadata_for(npu, args, **override), **call)
-    with pytest.raises(RuntimeError, match="metadata"):
-        npu.npu_quant_lightning_indexer(**args, metadata=torch.zeros(20, dtype=torch.int32), **call)
+def test_quant_indexer_takes_no_compression_arguments():
+    args, _ = quant_inputs([(1, 70)], 64, gen(5))
+    for extra in (dict(cmp_ratio=4), dict(metadata=torch.zeros(3, dtype=torch.int32))):
+        with pytest.raises(TypeError):
+            TorchNpuDouble().npu_quant_lightning_indexer(**args, layout_query="TND", layout_key="PA_BSND", **extra)
+    assert not hasattr(TorchNpuDouble(), "npu_quant_lightning_indexer_metadata")
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -334,17 +310,19 @@ QUANT_ERRORS = {
     "negative key scale": (lambda a: a["key_dequant_scale"].neg_(), "key_dequant_scale must be >= 0"),
     "key non-contiguous": (lambda a: a.update(key=non_contiguous(a["key"])), "key must be contiguous"),
     "query_quant_mode 1": (lambda a: a.update(query_quant_mode=1), "quant_mode must be 0"),
-    "cmp_ratio 2": (lambda a: a.update(cmp_ratio=2), "cmp_ratio must be 1 or 4"),
     "sparse_count 4096": (lambda a: a.update(sparse_count=4096), "sparse_count must be an int in"),
     "aslk missing": (lambda a: a.update(actual_seq_lengths_key=None), "actual_seq_lengths_key is required"),
-    "metadata not int32": (lambda a: a.update(metadata=torch.zeros(3)), "metadata must be the int32 tensor"),
+    "NaN weights": (lambda a: a["weights"].__setitem__((0, 3), float("nan")), "weights holds NaN"),
+    "fp16 overflow": (lambda a: (a["weights"].__setitem__((0, 3), 6e4),
+                                 a["query_dequant_scale"].__setitem__((0, 3), 2)), "must stay within fp16"),
+    "query_dtype": (lambda a: a.update(query_dtype=1), "query_dtype / key_dtype"),
 }
 
 
 @pytest.mark.parametrize("case", list(QUANT_ERRORS))
 def test_quant_indexer_validation(case):
     mutate, message = QUANT_ERRORS[case]
-    args, _ = quant_inputs([(1, 70), (3, 40)], 1, 16, gen(7))
+    args, _ = quant_inputs([(1, 70), (3, 40)], 16, gen(7))
     args.update(layout_query="TND", layout_key="PA_BSND", sparse_count=8)
     TorchNpuDouble().npu_quant_lightning_indexer(**args)
     mutate(args)
@@ -393,25 +371,23 @@ def test_dynamic_quant():
 # ----------------------------------------------------------------------------------------------- variants, install
 
 
-def test_selected_count_variant():
-    new, old = TorchNpuDouble(), TorchNpuDouble(variant="selected_count")
-    new_params = inspect.signature(new.npu_lightning_indexer).parameters
-    old_params = inspect.signature(old.npu_lightning_indexer).parameters
-    assert "sparse_count" in new_params and "selected_count" not in new_params
-    assert "selected_count" in old_params and "sparse_count" not in old_params
+@pytest.mark.parametrize("release", sorted(SCHEMAS["schemas"]))
+def test_the_schema_operators_and_the_plain_functions_agree(release):
+    ns, calls = schema_ops(release)
     args = float_call()
-    want, _ = new.npu_lightning_indexer(**args)
-    count = args.pop("sparse_count")
-    got, _ = old.npu_lightning_indexer(**args, selected_count=count)
-    assert torch.equal(got, want)
-    with pytest.raises(TypeError):
-        old.npu_lightning_indexer(**args, sparse_count=count)
-    with pytest.raises(TypeError):
-        new.npu_lightning_indexer(**args, selected_count=count)
-    with pytest.raises(RuntimeError, match="selected_count must be an int in"):
-        old.npu_lightning_indexer(**args, selected_count=0)
-    with pytest.raises(ValueError):
-        TorchNpuDouble(variant="top_k")
+    want, _ = TorchNpuDouble().npu_lightning_indexer(**args)
+    got, values = ns.npu_lightning_indexer(**args)
+    assert torch.equal(got, want) and values.numel() == 0 and calls[-1][0] == "npu_lightning_indexer"
+    with pytest.raises(RuntimeError, match="Unknown keyword argument 'selected_count'"):
+        ns.npu_lightning_indexer(**{**args, "selected_count": 8})
+    qargs, _ = quant_inputs([(1, 70), (3, 40)], 16, gen(7))
+    qargs.update(layout_query="TND", layout_key="PA_BSND", sparse_count=8)
+    assert torch.equal(ns.npu_quant_lightning_indexer(**qargs), TorchNpuDouble().npu_quant_lightning_indexer(**qargs))
+    x = torch.randn(4, 2, 128, generator=gen(8)).bfloat16()
+    for a, b in zip(ns.npu_dynamic_quant(x), npu_double.npu_dynamic_quant(x)):
+        assert torch.equal(a, b)
+    cache = torch.zeros(6, 128)
+    assert ns.npu_scatter_nd_update_(cache, torch.tensor([[4]]), torch.ones(1, 128)) is cache and cache[4].eq(1).all()
 
 
 def test_install_and_calls(monkeypatch):
@@ -433,18 +409,18 @@ def test_install_and_calls(monkeypatch):
     assert not isinstance(sys.modules.get("torch_npu"), TorchNpuDouble)
     assert not isinstance(getattr(torch, "npu", None), npu_double.NpuDeviceDouble)
     with monkeypatch.context() as mp:
-        double = install(mp, variant="selected_count", available=False)
+        double = install(mp, available=False)
         assert double.__version__ == npu_double.DEFAULT_VERSION == "2.7.1.post1"
         assert not torch.npu.is_available() and torch.npu.device_count() == 0
-        assert "selected_count" in inspect.signature(double.npu_lightning_indexer).parameters
+        assert "sparse_count" in inspect.signature(double.npu_lightning_indexer).parameters
 
 
 def test_rotary_mul_matches_a_per_pair_rotation():
     from npu_double import npu_rotary_mul
 
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(3, 1, 2, 8, generator=gen)
-    angle = torch.rand(3, 1, 1, 4, generator=gen) * 6
+    x = torch.randn(1, 3, 2, 8, generator=gen)  # BSND with B = 1; cos / sin 1S1D
+    angle = torch.rand(1, 3, 1, 4, generator=gen) * 6
     half = npu_rotary_mul(x, torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1), "half")
     inter = npu_rotary_mul(x, angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1),
                            "interleave")

@@ -2,22 +2,24 @@
 
 torch_npu's indexer kernels take bf16 (or int8 + scale) keys in a plain paged tensor ``[blocks, 64, 1, 128]``, not
 the fp8 132-byte pages the other backends read, so this backend serves the ops of the plain layouts
-(``contract/cache.py``: ``paged64_bf16`` for V3.2, ``paged64_int8`` for V4's C4 indexer), which `Indexer` uses when
-its cache has such a layout (`Indexer.allocate_cache` picks it on target ``npu``):
+(``contract/cache.py``: ``paged64_bf16`` for V3.2, ``paged64_int8``), which `Indexer` uses when its cache has such a
+layout (`Indexer.allocate_cache` picks it on target ``npu``):
 
 * ``lightning_indexer_ragged.npu.torch_npu`` (200): ``npu_lightning_indexer`` (bf16) / ``npu_quant_lightning_indexer``
-  (int8, ``cmp_ratio`` 4 for C4, with its metadata op where the build has one), for decode, speculative decode and
-  prefill alike (`lightning.py`).
+  (int8), for decode, speculative decode and prefill alike (`lightning.py`). Uncompressed keys only: no released
+  torch_npu indexer takes a compression ratio, so V4's C4 indexer (compress_ratio 4) is refused with that reason.
 * ``q_prologue_plain.npu.torch_npu`` and ``k_prologue_store_plain.npu.torch_npu`` (200): RoPE by ``npu_rotary_mul``,
   int8 by ``npu_dynamic_quant``, the store by ``npu_scatter_nd_update_`` (`prologue.py`).
 * ``indexer_pipeline.npu.two_stream`` (100): the k path on a side NPU stream (`pipeline.py`).
 
 The fp8 ops are not registered (``UNREGISTERED`` says why), so an fp8-layout cache on npu resolves to the reference,
 which strict mode refuses; so does V4's compressor pooling (``c4_compress_pool``), which has no torch_npu kernel.
-Everything here is tested against a torch_npu test double on the CPU (tests/npu_double.py), never on Ascend hardware.
+Nothing here has run on Ascend hardware: the CPU tests run the adapters through operators registered with
+torch.library under torch_npu's published schemas (tests/data/torch_npu_schemas.json) and through a plain-Python
+double (tests/npu_double.py); docs/backends-amd-npu.md says what each registration was checked against.
 
 The probe: torch_npu must import (inside a try: it needs the CANN toolkit) and ``torch.npu.is_available()`` must hold;
-feature detection (`api.detect`) finds which kernels and keywords this build has.
+feature detection (`api.detect`) reads each kernel's operator schema.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def _npu_visible(module) -> str | None:
 
 def _usable(api: npu_api.NpuApi) -> str | None:
     if api.indexer is None and api.quant_indexer is None:
-        return f"{api.describe()} has neither {npu_api.INDEXER} nor {npu_api.QUANT_INDEXER}"
+        unfit = [api.missing[op] for op in (npu_api.INDEXER, npu_api.QUANT_INDEXER)
+                 if not api.missing[op].startswith("has no ")]
+        detail = f" ({'; '.join(unfit)})" if unfit else ""
+        return f"{api.describe()} has neither {npu_api.INDEXER} nor {npu_api.QUANT_INDEXER}{detail}"
     return None
 
 
@@ -102,24 +107,28 @@ def _indexer_supports(problem: Problem, target: Target) -> str | None:
     return None
 
 
+# What was checked: op-plugin's published schemas (master 517f2e7d, branches 7.3.0, 26.0.0, 26.1.0) of both indexers
+# have no compression-ratio argument (and there is no metadata op); the C4 indexers of the Ascend serving stacks are
+# separate custom-op packages with their own schemas, none of which this adapter binds.
+C4_REFUSED = ("compressed keys (compress_ratio {ratio}, V4's C4 indexer): no released torch_npu indexer takes a "
+              "compression ratio (op-plugin master 517f2e7d, 7.3.0, 26.0.0, 26.1.0); the reference serves it")
+
+
 def _indexer_api_supports(problem: Problem, target: Target) -> str | None:
     reason = _indexer_supports(problem, target)
     if reason:
         return reason
+    ratio = problem.get("ratio")
+    if ratio not in (None, 1):
+        return C4_REFUSED.format(ratio=ratio)
     api = LIBRARY.detected_api()
-    if api is None:  # not probed (a simulated environment): assume the documented current API
+    if api is None:  # not probed (a simulated environment): assume the published current API
         return None
-    fmt, ratio = problem.get("format"), problem.get("ratio")
-    if fmt == "bf16":
-        if api.indexer is None:
-            return f"{api.describe()} has no {npu_api.INDEXER} (bf16 keys)"
-        if ratio not in (None, 1) and not api.indexer_cmp_ratio:
-            return f"{api.describe()}'s {npu_api.INDEXER} takes no cmp_ratio (compressed keys, ratio {ratio})"
-    if fmt == "int8":
-        if api.quant_indexer is None:
-            return f"{api.describe()} has no {npu_api.QUANT_INDEXER} (int8 keys)"
-        if ratio not in (None, 1) and not api.quant_cmp_ratio:
-            return f"{api.describe()}'s {npu_api.QUANT_INDEXER} takes no cmp_ratio (compressed keys, ratio {ratio})"
+    fmt = problem.get("format")
+    if fmt == "bf16" and api.indexer is None:
+        return f"{api.why_not(npu_api.INDEXER)} (bf16 keys)"
+    if fmt == "int8" and api.quant_indexer is None:
+        return f"{api.why_not(npu_api.QUANT_INDEXER)} (int8 keys)"
     return None
 
 
@@ -135,9 +144,9 @@ def _prologue_supports(store: bool):
             needed.append((api.scatter, npu_api.SCATTER))
         if problem.get("format") == "int8":
             needed.append((api.dynamic_quant, npu_api.DYNAMIC_QUANT))
-        missing = [name for fn, name in needed if fn is None]
+        missing = [api.missing.get(name, f"has no {name}") for fn, name in needed if fn is None]
         if missing:
-            return f"{api.describe()} has no {', '.join(missing)}"
+            return f"{api.describe()}: {'; '.join(missing)}"
         if problem.get("interleaved") and not api.rotary_interleave:
             return f"{api.describe()}'s {npu_api.ROTARY} takes no rotary_mode (interleaved pairs: V4's RoPE)"
         return None

@@ -1,15 +1,19 @@
-"""What this torch_npu offers, found by feature detection (names and parameter names, never version strings).
+"""What this torch_npu offers, read from its operators' schemas (argument names and types, never version strings).
 
-torch_npu's indexer kernels changed their keywords over releases: early builds of ``npu_lightning_indexer`` name
-the top-k count ``selected_count``, later ones ``sparse_count``; ``cmp_ratio`` (DeepSeek-V4's compressed keys) and
-the quant indexer's ``metadata`` argument (from ``npu_quant_lightning_indexer_metadata``) came later still. The
-adapters pass exactly the keywords the detected functions take.
+torch_npu exports its kernels as operator objects: ``torch_npu.<op>`` IS ``torch.ops.npu.<op>``, an
+``OpOverloadPacket`` (Ascend/pytorch ``torch_npu/_init/core/_exports.py``). ``inspect.signature`` on one says only
+``(*args, **kwargs)``, so every feature is read from its overloads' ``_schema``: which arguments are positional,
+their names and types, how many results. A plain Python function (a wrapper, a test double) is read from its
+signature, which has no types. An op is used only when its schema takes every argument the adapter passes, under
+the name, position and type the adapter passes it; otherwise it is left out and ``NpuApi.missing`` says which
+argument did not fit. The adapters call the overload whose schema was checked, so a call that the schema does not
+accept raises in the binding instead of running.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
 
@@ -17,63 +21,164 @@ import torch
 
 INDEXER = "npu_lightning_indexer"
 QUANT_INDEXER = "npu_quant_lightning_indexer"
-QUANT_METADATA = "npu_quant_lightning_indexer_metadata"
 SCATTER = "npu_scatter_nd_update_"
 ROTARY = "npu_rotary_mul"
 DYNAMIC_QUANT = "npu_dynamic_quant"
 
 
-def param_names(fn: Callable | None, op_name: str) -> tuple[str, ...] | None:
-    """The parameter names of ``fn``: its Python signature, else the schema of ``torch.ops.npu.<op_name>`` (torch_npu
-    binds its kernels as torch ops, whose Python wrappers may have no inspectable signature); None if neither."""
-    if fn is None:
-        return None
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: str | None  # the schema's type without "?" ("Tensor", "str", "int", "int[]"...); None: a Python signature
+    keyword_only: bool
+
+
+@dataclass(frozen=True)
+class OpSignature:
+    source: str  # "schema" or "python signature"
+    text: str  # the schema string or the Python signature, for messages
+    params: tuple[Param, ...]
+    returns: int | None  # the number of results (None: unknown, a Python function)
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    @property
+    def positional(self) -> tuple[Param, ...]:
+        return tuple(p for p in self.params if not p.keyword_only)
+
+
+# What each adapter passes: (name or None for "any name", type) positionally, in order, then (name, type) by keyword.
+_INDEXER_KEYWORDS = (("actual_seq_lengths_query", "Tensor"), ("actual_seq_lengths_key", "Tensor"),
+                     ("block_table", "Tensor"), ("layout_query", "str"), ("layout_key", "str"),
+                     ("sparse_count", "int"), ("sparse_mode", "int"))
+CALLS = {
+    INDEXER: ((("query", "Tensor"), ("key", "Tensor"), ("weights", "Tensor")), _INDEXER_KEYWORDS),
+    QUANT_INDEXER: ((("query", "Tensor"), ("key", "Tensor"), ("weights", "Tensor"), ("query_dequant_scale", "Tensor"),
+                     ("key_dequant_scale", "Tensor"), ("query_quant_mode", "int"), ("key_quant_mode", "int")),
+                    _INDEXER_KEYWORDS),
+    ROTARY: (((None, "Tensor"), ("r1", "Tensor"), ("r2", "Tensor")), ()),
+    DYNAMIC_QUANT: (((None, "Tensor"),), ()),
+    SCATTER: (((None, "Tensor"), ("indices", "Tensor"), ("updates", "Tensor")), ()),
+}
+RESULTS = {QUANT_INDEXER: 1, DYNAMIC_QUANT: 2, ROTARY: 1}  # results the adapter reads (the indexer: its first one)
+
+
+def _type_name(t) -> str:
+    if t.kind() == "OptionalType":
+        t = t.getElementType()
+    if t.kind() == "ListType":
+        return _type_name(t.getElementType()) + "[]"
+    return {"TensorType": "Tensor", "StringType": "str", "IntType": "int", "BoolType": "bool",
+            "FloatType": "float"}.get(t.kind(), str(t))
+
+
+def schema_signature(schema) -> OpSignature:
+    params = tuple(Param(a.name, _type_name(a.type), bool(a.kwarg_only)) for a in schema.arguments)
+    return OpSignature("schema", str(schema), params, len(schema.returns))
+
+
+def python_signature(fn: Callable) -> OpSignature | None:
+    """The Python signature of ``fn``; None when it hides its parameters (``*args, **kwargs`` only) or has none."""
     try:
-        return tuple(inspect.signature(fn).parameters)
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        pass
-    try:
-        schema = getattr(torch.ops.npu, op_name).default._schema
-        return tuple(arg.name for arg in schema.arguments)
-    except (AttributeError, RuntimeError):
         return None
+    named = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if not named:
+        return None
+    params = tuple(Param(p.name, None, p.kind == p.KEYWORD_ONLY) for p in named)
+    return OpSignature("python signature", f"{getattr(fn, '__name__', 'fn')}{sig}", params, None)
+
+
+def _overloads(fn) -> list[tuple[Callable, OpSignature]]:
+    """(callable, signature) candidates of an operator object: each overload of a packet, or the overload itself."""
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return [(getattr(fn, name), schema_signature(getattr(fn, name)._schema)) for name in fn.overloads()]
+    if isinstance(fn, torch._ops.OpOverload):
+        return [(fn, schema_signature(fn._schema))]
+    return []
+
+
+def mismatch(op: str, sig: OpSignature) -> str | None:
+    """Why the adapter's call of ``op`` does not fit ``sig`` (None: it fits)."""
+    positional, keywords = CALLS[op]
+    given = sig.positional
+    for i, (name, typ) in enumerate(positional):
+        if i >= len(given):
+            return f"takes {len(given)} positional arguments, the adapter passes {len(positional)}"
+        p = given[i]
+        if name is not None and p.name != name:
+            return f"positional argument {i} is {p.name!r}, the adapter passes {name!r} there"
+        if p.type is not None and p.type != typ:
+            return f"argument {p.name!r} is {p.type}, the adapter passes {typ}"
+    for name, typ in keywords:
+        p = sig.param(name)
+        if p is None:
+            return f"has no argument {name!r}"
+        if p.type is not None and p.type != typ:
+            return f"argument {name!r} is {p.type}, the adapter passes {typ}"
+    want = RESULTS.get(op)
+    if want is not None and sig.returns is not None and sig.returns != want:
+        return f"returns {sig.returns} results, the adapter reads {want}"
+    return None
+
+
+def resolve(module: ModuleType, op: str) -> tuple[Callable | None, OpSignature | None, str | None]:
+    """(the callable to use, its signature, None) or (None, None, why not) for ``module.<op>``."""
+    fn = getattr(module, op, None)
+    if fn is None:
+        return None, None, f"has no {op}"
+    candidates = _overloads(fn)
+    if not candidates:
+        sig = python_signature(fn)
+        if sig is None:  # a wrapper hiding its parameters: the registered operator's schema, if there is one
+            packet = getattr(getattr(torch.ops, "npu", None), op, None) if hasattr(torch.ops, "npu") else None
+            candidates = [(fn, s) for _, s in _overloads(packet)] if packet is not None else []
+            if not candidates:
+                return None, None, f"{op} hides its parameters and no torch.ops.npu.{op} schema describes them"
+        else:
+            candidates = [(fn, sig)]
+    reasons = []
+    for call, sig in candidates:
+        reason = mismatch(op, sig)
+        if reason is None:
+            return call, sig, None
+        reasons.append(f"{sig.text}: {reason}")
+    return None, None, f"{op} does not take the adapter's call ({'; '.join(reasons)})"
 
 
 @dataclass(frozen=True)
 class NpuApi:
     version: str
-    indexer: Callable | None  # npu_lightning_indexer (bf16 / fp16 keys)
-    indexer_count: str | None  # its top-k keyword: "sparse_count" or "selected_count" (None: no indexer)
-    indexer_cmp_ratio: bool  # takes cmp_ratio (compressed keys)
+    indexer: Callable | None  # npu_lightning_indexer (bf16 / fp16 keys): the overload whose schema fits
     quant_indexer: Callable | None  # npu_quant_lightning_indexer (int8 keys)
-    quant_cmp_ratio: bool
-    quant_metadata: Callable | None  # npu_quant_lightning_indexer_metadata, when the quant indexer takes metadata
     scatter: Callable | None  # npu_scatter_nd_update_
     rotary: Callable | None  # npu_rotary_mul
-    rotary_interleave: bool  # it takes rotary_mode (its "interleave" mode: V4's RoPE pairs)
+    rotary_interleave: bool  # it takes a str rotary_mode (its "interleave" mode: V4's RoPE pairs)
     dynamic_quant: Callable | None  # npu_dynamic_quant (symmetric per-row int8)
+    signatures: dict = field(default_factory=dict, compare=False)  # op -> OpSignature of what is used
+    missing: dict = field(default_factory=dict, compare=False)  # op -> why it is not used
 
     def describe(self) -> str:
         return f"torch_npu {self.version}"
 
+    def why_not(self, op: str) -> str:
+        return f"{self.describe()}: {self.missing.get(op, f'has no {op}')}"
+
 
 def detect(module: ModuleType) -> NpuApi:
-    indexer = getattr(module, INDEXER, None)
-    names = param_names(indexer, INDEXER)
-    if indexer is None:
-        count = None
-    elif names is None or "sparse_count" in names:
-        count = "sparse_count"  # the documented keyword of current releases (also when the signature is hidden)
-    elif "selected_count" in names:
-        count = "selected_count"
-    else:
-        indexer, count = None, None  # a signature this adapter does not know: not used
-    quant = getattr(module, QUANT_INDEXER, None)
-    quant_names = param_names(quant, QUANT_INDEXER) or ()
-    metadata = getattr(module, QUANT_METADATA, None) if "metadata" in quant_names else None
-    return NpuApi(version=str(getattr(module, "__version__", "?")), indexer=indexer, indexer_count=count,
-                  indexer_cmp_ratio="cmp_ratio" in (names or ()), quant_indexer=quant,
-                  quant_cmp_ratio="cmp_ratio" in quant_names, quant_metadata=metadata,
-                  scatter=getattr(module, SCATTER, None), rotary=getattr(module, ROTARY, None),
-                  rotary_interleave="rotary_mode" in (param_names(getattr(module, ROTARY, None), ROTARY) or ()),
-                  dynamic_quant=getattr(module, DYNAMIC_QUANT, None))
+    found, signatures, missing = {}, {}, {}
+    for op in CALLS:
+        call, sig, reason = resolve(module, op)
+        found[op] = call
+        if call is None:
+            missing[op] = reason
+        else:
+            signatures[op] = sig
+    rotary_sig = signatures.get(ROTARY)
+    mode = rotary_sig.param("rotary_mode") if rotary_sig is not None else None
+    return NpuApi(version=str(getattr(module, "__version__", "?")), indexer=found[INDEXER],
+                  quant_indexer=found[QUANT_INDEXER], scatter=found[SCATTER], rotary=found[ROTARY],
+                  rotary_interleave=mode is not None and mode.type in (None, "str"),
+                  dynamic_quant=found[DYNAMIC_QUANT], signatures=signatures, missing=missing)

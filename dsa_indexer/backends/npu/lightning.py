@@ -1,27 +1,49 @@
 """`lightning_indexer_ragged` on torch_npu's fused indexers (logits and top-k in one kernel, no logits in memory).
 
-bf16 keys (layout ``paged64_bf16``): ``torch_npu.npu_lightning_indexer(query [T, 64, 128], key [blocks, 64, 1, 128],
-weights [T, 64] (the query's dtype), actual_seq_lengths_query=cumulative row ends [B] (no leading 0),
-actual_seq_lengths_key=[B] tokens per request, block_table [B, pages], layout_query="TND", layout_key="PA_BSND",
-sparse_count=k (1..2048), sparse_mode=3)``. sparse_mode 3 is the bottom-right-aligned causal mask: query i of n with L
-keys sees keys < L - n + i + 1, which is this op's contract (a request's rows are its last tokens). The result is a
-tuple whose first element is int32 ``[T, 1, k]``: request-local positions, -1 padded.
+The calls follow op-plugin's published schemas (``op_plugin/config/op_plugin_functions.yaml``, master 517f2e7d and
+the 7.3.0 / 26.0.0 / 26.1.0 branches; `api.detect` checks the installed schema takes them):
 
-int8 keys (layout ``paged64_int8``, V4's C4 indexer): ``torch_npu.npu_quant_lightning_indexer(query int8, key int8,
-weights fp16, query_dequant_scale fp16 [T, 64], key_dequant_scale fp16 [blocks, 64, 1], ..., query_quant_mode=0,
-key_quant_mode=0, layout_query="TND", layout_key="PA_BSND", sparse_count=k, sparse_mode=3, cmp_ratio=4,
-metadata=npu_quant_lightning_indexer_metadata(...))``: score ``sum_h w * relu(sq * sk * (q_int8 . k_int8))``. With
-cmp_ratio 4 the key lengths count original tokens and the cache holds one entry per 4 (our reading of the SGLang and
-vLLM-Ascend V4 integrations, which pass token lengths with the compressed page table).
+bf16 keys (layout ``paged64_bf16``): ``npu_lightning_indexer(query [T, 64, 128], key [blocks, 64, 1, 128],
+weights [T, 64] (the query's dtype), *, actual_seq_lengths_query=cumulative row ends [B] int32 (no leading 0),
+actual_seq_lengths_key=[B] int32 tokens per request, block_table [B, pages] int32, layout_query="TND",
+layout_key="PA_BSND", sparse_count=k (1..2048), sparse_mode=3) -> (sparse_indices, sparse_values)``. sparse_mode 3
+is the bottom-right-aligned causal mask: query i of n with L keys sees keys < L - n + i + 1, which is this op's
+contract (a request's rows are its last tokens). ``sparse_indices`` is int32 ``[T, 1, k]``: request-local
+positions, -1 padded.
 
-Keyword drift is handled by feature detection (`api.detect`). Nothing here has run on Ascend hardware.
+int8 keys (layout ``paged64_int8``): ``npu_quant_lightning_indexer(query int8, key int8, weights fp16,
+query_dequant_scale fp16 [T, 64], key_dequant_scale fp16 [blocks, 64, 1], query_quant_mode=0, key_quant_mode=0, *,
+<the same keywords>) -> Tensor``: score ``sum_h w * relu(sq * sk * (q_int8 . k_int8))``. No published schema takes
+a compression ratio, so compressed (C4) keys are refused here (the registration's supports check says so too).
+
+NaN: the kernels' top-k order of NaN is undefined (op-plugin's npu_quant_lightning_indexer doc says so), and the
+library's rule is that a NaN score ranks as -inf; so NaN must never reach the kernel. The keys are checked finite
+when k_prologue_store_plain.npu.torch_npu stores them (`prologue.py`); here q, its scales and the weights are checked
+on the host (this path is never captured in a CUDA-style graph), and under DSA_INDEXER_CHECK_RANGES=1 (or on CPU
+tensors) the whole key cache too, for caches that were filled some other way.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .api import NpuApi
+from ...contract import validate as v
+from .api import INDEXER, QUANT_INDEXER, NpuApi
+
+
+def require_finite(name: str, t: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Raise naming ``name`` when ``t`` holds NaN or inf (``rows``: the row numbers to report for t's rows). One
+    reduction and a host read: the NPU path is never graph-captured, so the sync is allowed."""
+    if not t.numel() or bool(torch.isfinite(t).all()):
+        return
+    bad = (~torch.isfinite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero().flatten()
+    if rows is not None:
+        bad = rows[bad]
+    shown = bad[:8].tolist()
+    raise v.IndexerInputError(
+        f"{name} holds NaN or inf in {bad.numel()} of its {t.shape[0]} rows (rows {shown}"
+        f"{' ...' if bad.numel() > 8 else ''}): torch_npu's indexers rank NaN in an undefined order and a NaN score "
+        "must never be selected, so the NPU path refuses them")
 
 
 def _indices(result, rows: int, k: int) -> torch.Tensor:
@@ -36,26 +58,36 @@ def make_lightning_indexer_ragged(api_of):
                                  key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                  seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int,
                                  compress_ratio: int = 1) -> torch.Tensor:
+        if compress_ratio != 1:
+            raise v.IndexerInputError(
+                f"compress_ratio={compress_ratio}: no released torch_npu indexer takes compressed (C4) keys; use the "
+                "reference (lightning_indexer_ragged.reference.torch)")
         api: NpuApi = api_of()
-        rows, heads, dim = q.shape
-        lengths = dict(actual_seq_lengths_query=cu_seqlens_q[1:].contiguous(),
-                       actual_seq_lengths_key=seq_lens_k.contiguous())
-        ratio = {} if compress_ratio == 1 else {"cmp_ratio": compress_ratio}
-        if q.dtype != torch.int8:
-            result = api.indexer(q, key_cache, weights.to(q.dtype).contiguous(), **lengths,
-                                 block_table=block_table.contiguous(), layout_query="TND", layout_key="PA_BSND",
-                                 sparse_mode=3, **{api.indexer_count: k}, **ratio)
-            return _indices(result, rows, k)
-        extra = dict(ratio)
-        if api.quant_metadata is not None:  # the kernel's work split, built by torch_npu from the same lengths
-            extra["metadata"] = api.quant_metadata(
-                num_heads_q=heads, num_heads_k=1, head_dim=dim, query_quant_mode=0, key_quant_mode=0, **lengths,
-                batch_size=block_table.shape[0], layout_query="TND", layout_key="PA_BSND", sparse_count=k,
-                sparse_mode=3, cmp_ratio=compress_ratio, device=str(q.device))
-        result = api.quant_indexer(q, key_cache, weights.to(torch.float16).contiguous(), q_scales.contiguous(),
-                                   key_scales, **lengths, block_table=block_table.contiguous(), query_quant_mode=0,
-                                   key_quant_mode=0, layout_query="TND", layout_key="PA_BSND", sparse_count=k,
-                                   sparse_mode=3, **extra)
+        rows = q.shape[0]
+        int8 = q.dtype == torch.int8
+        kernel, name = (api.quant_indexer, QUANT_INDEXER) if int8 else (api.indexer, INDEXER)
+        if kernel is None:
+            raise RuntimeError(f"{api.why_not(name)}: lightning_indexer_ragged.npu.torch_npu cannot run")
+        # The weights in the dtype the kernel takes, checked after the cast (fp16 overflows to inf above 65504).
+        w = weights.to(torch.float16 if int8 else q.dtype).contiguous()
+        require_finite("weights", w)
+        if int8:
+            scales = q_scales.to(torch.float16).contiguous()
+            require_finite("q_scales", scales)
+            # op-plugin's doc: weights * query_dequant_scale must stay within the fp16 range.
+            require_finite("weights * q_scales", (w.float() * scales.float()).to(torch.float16))
+        else:
+            require_finite("q", q)
+        if v.ranges_checked(key_cache):  # the whole cache: only on request (or on the host), it is large
+            require_finite("key_scales" if int8 else "key_cache", key_scales if int8 else key_cache)
+        keywords = dict(actual_seq_lengths_query=cu_seqlens_q[1:].to(torch.int32).contiguous(),
+                        actual_seq_lengths_key=seq_lens_k.to(torch.int32).contiguous(),
+                        block_table=block_table.to(torch.int32).contiguous(), layout_query="TND",
+                        layout_key="PA_BSND", sparse_count=k, sparse_mode=3)
+        if int8:
+            result = kernel(q.contiguous(), key_cache, w, scales, key_scales, 0, 0, **keywords)
+        else:
+            result = kernel(q.contiguous(), key_cache, w, **keywords)
         return _indices(result, rows, k)
 
     return lightning_indexer_ragged

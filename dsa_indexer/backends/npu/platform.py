@@ -42,6 +42,7 @@ PLATFORM = Platform(
     libraries={"torch_npu": "torch_npu"},
     distributions=("torch_npu",),
     # torch_npu's indexers read plain paged keys: bf16 for V3.2 (npu_lightning_indexer), int8 + fp16 scales for V4's
-    # C4 indexer (npu_quant_lightning_indexer, cmp_ratio 4)
+    # C4 indexer (npu_quant_lightning_indexer takes no compression ratio, so that scoring runs on the reference; the
+    # int8 store and prologues run on torch_npu)
     cache_layouts={1: "paged64_bf16", 4: "paged64_int8"},
     names="'npu' (optionally 'npu:<SoC>')")
