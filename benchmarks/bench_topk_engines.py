@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                 for keys in cuda_topk.REGISTERS_KEYS:
                     cluster = -(-ctx // (keys * cuda_topk.REGISTERS_THREADS))
                     alt = cuda_topk.Plan("registers", cluster, keys)
-                    if cluster <= cuda_topk.MAX_CLUSTER and alt != planned:
+                    if cluster <= cuda_topk.REGISTERS_MAX_CLUSTER and alt != planned:
                         impls[f"cuda.radix {alt.kernel} x{alt.cluster} keys{alt.per_cta}"] = (
                             lambda alt=alt: cuda_topk.run_plan(logits, K, ends, None, None, None, alt))
                 shared = cuda_topk.plan(batch, ctx, sms, 4)

@@ -117,23 +117,21 @@ def test_rows_too_wide_for_eight_ctas_have_no_plan():
 
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
-    (1, 100, 1, 8), (300, 4096, 1, 8), (5, 4097, 1, 16), (1, 8192, 1, 16), (128, 8192, 1, 16),
-    (1, 8193, 2, 16), (1, 32768, 4, 16), (64, 32768, 4, 16), (128, 32768, 2, 32), (1, 65536, 8, 16),
-    (1, 65537, 5, 32), (1, 131072, 8, 32), (128, 131072, 8, 32), (2, 70000, 5, 32)])
+    (1, 100, 1, 8), (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (5, 4097, 2, 8), (1, 8192, 2, 8), (64, 8192, 2, 8),
+    (128, 8192, 1, 16), (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (128, 32768, 2, 32),
+    (1, 131072, 16, 16), (32, 131072, 8, 32), (128, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
 def test_register_plan(rows, cols, cluster, keys):
     got = cuda_topk.plan_for(rows, cols, 132, 4)
     assert got == cuda_topk.Plan("registers", cluster, keys)
-    assert keys in cuda_topk.REGISTERS_KEYS and 1 <= cluster <= cuda_topk.MAX_CLUSTER
+    assert keys in cuda_topk.REGISTERS_KEYS and 1 <= cluster <= cuda_topk.REGISTERS_MAX_CLUSTER
     assert cluster * keys * cuda_topk.REGISTERS_THREADS >= cols  # every column has a register
-    # 8K-column CTAs only while the grid fits the SMs' two CTAs each; past that the 16K-column chunk halves it
-    if keys == 16 and cluster > 1:
-        assert rows * cluster <= 2 * 132
+    if rows * cluster > 132:  # past one CTA per SM: the fewest CTAs
+        assert cluster == -(-cols // (32 * cuda_topk.REGISTERS_THREADS))
 
 
-def test_rows_past_eight_register_chunks_take_the_shared_memory_kernel():
-    wide = cuda_topk.plan_for(1, 8 * 16384 + 1, 132, 4)
-    assert wide.kernel == "shared" and wide.cluster == 5 and wide.per_cta * 5 >= 8 * 16384 + 1
-    assert cuda_topk.plan_for(1, 262144, 132, 4).kernel == "shared"
+def test_rows_past_sixteen_register_chunks_take_the_shared_memory_kernel():
+    wide = cuda_topk.plan_for(1, 16 * 16384 + 1, 132, 4)
+    assert wide.kernel == "shared" and wide.cluster == 8 and wide.per_cta * 8 >= 16 * 16384 + 1
 
 
 def test_plan_is_computed_once_per_shape():

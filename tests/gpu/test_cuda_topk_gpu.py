@@ -41,7 +41,7 @@ def _plans(rows: int, cols: int, vec: int = 4):
     plans = [None]
     for keys in cuda_topk.REGISTERS_KEYS:
         cluster = -(-cols // (keys * cuda_topk.REGISTERS_THREADS))
-        if cluster <= cuda_topk.MAX_CLUSTER:
+        if cluster <= cuda_topk.REGISTERS_MAX_CLUSTER:
             plans.append(cuda_topk.Plan("registers", cluster, keys))
     shared = cuda_topk.plan(rows, cols, _sms(), vec)
     if shared is not None:

@@ -4,9 +4,9 @@ Two kernels, chosen by a plan that is a pure function of the shapes and the devi
 in a CUDA graph, and the plan is computed once per shape: `plan_for` is cached, so every layer of a decode step
 shares one plan and pays a dictionary look-up for it):
 
-- ``csrc/topk_registers.cu`` for rows up to 8 x 16K columns: 512-thread CTAs, each holding a chunk of
+- ``csrc/topk_registers.cu`` for rows up to 16 x 16K columns: 512-thread CTAs, each holding a chunk of
   4K / 8K / 16K columns in registers (8 / 16 / 32 keys per thread); a row longer than one chunk is split over a
-  thread-block cluster of up to 8 CTAs (`register_plan`);
+  thread-block cluster of up to 16 CTAs (`register_plan`);
 - ``csrc/topk.cu`` for wider rows: 1024-thread CTAs holding up to 44K columns each in shared memory, a cluster of
   up to 8 per row (`plan`). Rows too wide for that too (over about 360K columns) go to the Triton top-k, which
   takes any width.
@@ -34,6 +34,7 @@ SMEM_OPTIN_FALLBACK = 227 * 1024  # sm90 / sm100 opt-in shared memory per block
 REGISTERS_THREADS = 512
 REGISTERS_KEYS = (8, 16, 32)  # keys per thread the register kernel is built for
 REGISTERS_CTAS_PER_SM = 2  # 512 threads x 64 registers: two CTAs share an SM
+REGISTERS_MAX_CLUSTER = 16  # the register kernel's clusters may be non-portable (16 CTAs: sm90 / sm100)
 
 
 class Plan(NamedTuple):
@@ -83,19 +84,21 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
 
 
 def register_plan(rows: int, cols: int, sms: int) -> tuple[int, int] | None:
-    """(CTAs per row, keys per thread) of the register kernel for rows of ``cols`` columns; None when 8 CTAs of
-    16K columns cannot hold a row. Rows up to 8K take one CTA (no cluster barriers); longer rows take 8K-column
-    CTAs while the grid fits in one wave (2 CTAs per SM), else 16K-column CTAs (half the CTAs, each SM's two
-    CTAs overlapping one's loads with the other's select)."""
-    if cols <= 16 * REGISTERS_THREADS:
-        return 1, 8 if cols <= 8 * REGISTERS_THREADS else 16
-    slots = REGISTERS_CTAS_PER_SM * sms
-    for keys in (16, 32):
+    """(CTAs per row, keys per thread) of the register kernel for rows of ``cols`` columns; None when 16 CTAs of
+    16K columns cannot hold a row. The smallest chunk (4K, 8K, 16K columns per CTA) whose grid still fits one
+    CTA per SM; when none fits, the fewest CTAs (16K-column chunks, two CTAs sharing an SM), with the fewest
+    keys per thread that still give that count. Measured on the H200 (benchmarks/results/topk_*.json): per CTA
+    the select costs a fixed chain of barriers that does not shrink with the chunk, so smaller chunks help only
+    while the CTAs run side by side, not in waves."""
+    for keys in REGISTERS_KEYS:
         cluster = -(-cols // (keys * REGISTERS_THREADS))
-        if cluster <= MAX_CLUSTER and rows * cluster <= slots:
+        if cluster <= REGISTERS_MAX_CLUSTER and rows * cluster <= sms:
             return cluster, keys
-    cluster = -(-cols // (REGISTERS_KEYS[-1] * REGISTERS_THREADS))
-    return (cluster, REGISTERS_KEYS[-1]) if cluster <= MAX_CLUSTER else None
+    fewest = -(-cols // (REGISTERS_KEYS[-1] * REGISTERS_THREADS))
+    if fewest > REGISTERS_MAX_CLUSTER:
+        return None
+    keys = next(n for n in REGISTERS_KEYS if -(-cols // (n * REGISTERS_THREADS)) == fewest)
+    return fewest, keys
 
 
 @functools.lru_cache(maxsize=4096)
@@ -204,8 +207,8 @@ def _self_test_cases(device: torch.device):
     yield (torch.randn(2, 2048, generator=gen).to(device), 100, torch.tensor([2048, 90], dtype=torch.int32,
                                                                              device=device), None, table.to(device),
            None)
-    wide = torch.randint(0, 50, (1, 140000), generator=gen).float()  # wider than 8 x 16K: the shared kernel
-    yield wide.to(device), 2048, torch.tensor([140000], dtype=torch.int32, device=device), None, None, None
+    wide = torch.randint(0, 50, (1, 270000), generator=gen).float()  # wider than 16 x 16K: the shared kernel
+    yield wide.to(device), 2048, torch.tensor([270000], dtype=torch.int32, device=device), None, None, None
 
 
 def nan_as_neg_inf(logits: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@
 //   as order-preserving uint32 keys in registers: the row is read from global memory once, coalesced (float4),
 //   and every later pass is a loop over the thread's own registers, no shared-memory traffic except histogram
 //   atomics. 512 threads x <= 64 registers lets 2 CTAs share an SM, so one CTA's loads overlap another's select.
-// - A row longer than one chunk is split over a thread-block cluster of C <= 8 CTAs; the histograms are merged
-//   through distributed shared memory (each CTA sums its peers' bins), so every CTA takes the same decisions
-//   without global scratch, atomics in global memory or a second launch.
+// - A row longer than one chunk is split over a thread-block cluster of C <= 16 CTAs; the histograms are merged
+//   through distributed shared memory (group sums first, then the one group of bins that holds the crossing),
+//   so every CTA takes the same decisions without global scratch, global atomics or a second launch.
 // - Radix select on the key with 11 / 11 / 10-bit digits (2048-bin histograms); a level stops the search as
 //   soon as the threshold bin is taken whole (the usual case on real logits after two levels). Only keys in the
 //   current threshold bin touch the histogram after level 1.
@@ -40,7 +40,7 @@ constexpr int kBins = 1 << kBinBits;
 constexpr int kBinsPerThread = kBins / kThreads;  // 4: one int4 per thread
 static_assert(kBinsPerThread == 4, "find_bin reads one int4 of bins per thread");
 constexpr int kPage = 64;
-constexpr int kColBits = 20;  // the tie-break key ~column: windows are at most 8 x 16K columns (< 2^20)
+constexpr int kColBits = 20;  // the tie-break key ~column: windows are at most 16 x 16K columns (< 2^20)
 constexpr unsigned kNegInfKey = 0x007fffffu;  // order_key(-inf); key 0 marks a column outside the window
 
 struct Params {
@@ -60,6 +60,7 @@ struct Params {
 
 struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
+  int group[kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers)
   int warp_sum[kWarps];
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
@@ -82,57 +83,71 @@ __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::); }
 
 // The bin holding the k_rem-th largest element of this level's (cluster-merged) histogram `h`, how many of it
-// are still needed, and its count; every thread of every CTA of the cluster gets the same answer. `next` (the
-// other buffer) is cleared on the way: every peer has finished reading it (it was merged one level ago, before
-// this level's cluster barrier). Barriers: the cluster's (or the block's) once, the block's twice.
+// are still needed, and its count; every thread of every CTA of the cluster gets the same answer. Two stages, so
+// that a cluster moves 64 + 32 counts per CTA over distributed shared memory instead of every peer's 2048 bins
+// (which cost ~1 us per MB moved: 64 KB per CTA per level at 8 CTAs): each CTA sums its bins in 64 groups of
+// 32; warp 0 merges the peers' group sums, finds the group holding the crossing, then merges and scans only that
+// group's 32 bins. `next` (the other buffer) is cleared on the way: every peer finished reading it one level ago,
+// before this level's first barrier. Barriers: the cluster's (or the block's) twice, the block's once.
+__device__ __forceinline__ void cluster_or_block_sync(cg::cluster_group& cluster, int csize) {
+  if (csize > 1) cluster.sync(); else __syncthreads();
+}
+
 __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
                                          int csize, int& bin, int& need, int& count) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  if (csize > 1) cluster.sync(); else __syncthreads();  // this level's atomics are complete everywhere
-  int4 v = reinterpret_cast<const int4*>(h)[t];
-  if (csize > 1) {
-    v = make_int4(0, 0, 0, 0);
-#pragma unroll
-    for (int q0 = 0; q0 < 8; q0 += 4) {  // four peers' loads in flight before their adds (DSMEM latency),
-      int4 w[4];                         // not eight: the keys already take half the registers
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        if (q0 + q < csize) w[q] = reinterpret_cast<const int4*>(cluster.map_shared_rank(h, q0 + q))[t];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if (q0 + q < csize) {
-          v.x += w[q].x;
-          v.y += w[q].y;
-          v.z += w[q].z;
-          v.w += w[q].w;
-        }
-      }
-    }
-  }
+  cluster_or_block_sync(cluster, csize);  // this level's atomics are complete in every CTA
+  const int4 v = reinterpret_cast<const int4*>(h)[t];
+  int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
+  m += __shfl_xor_sync(0xffffffffu, m, 1);
+  m += __shfl_xor_sync(0xffffffffu, m, 2);
+  m += __shfl_xor_sync(0xffffffffu, m, 4);
+  if ((lane & 7) == 0) s.group[t >> 3] = m;
   reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
-  const int mine = v.x + v.y + v.z + v.w;
-  int incl = mine;  // sum over lanes >= lane (bins above this thread's, within the warp)
+  cluster_or_block_sync(cluster, csize);  // every CTA's group sums are complete
+  if (warp == 0) {
+    int lo = 0, hi = 0;  // merged sums of groups 2 * lane and 2 * lane + 1
+    for (int q = 0; q < csize; ++q) {
+      const int* g = csize > 1 ? cluster.map_shared_rank(s.group, q) : s.group;
+      const int2 pair = reinterpret_cast<const int2*>(g)[lane];
+      lo += pair.x;
+      hi += pair.y;
+    }
+    const int both = lo + hi;
+    int incl = both;  // over lanes >= lane: groups above, larger keys first
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_down_sync(0xffffffffu, incl, off);
-    if (lane + off < 32) incl += y;
-  }
-  if (lane == 0) s.warp_sum[warp] = incl;
-  __syncthreads();
-  int above = incl - mine;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl, off);
+      if (lane + off < 32) incl += y;
+    }
+    const int above_hi = incl - both, above_lo = above_hi + hi;
+    int group = -1, above = 0;
+    if (above_hi < k_rem && above_hi + hi >= k_rem) {
+      group = 2 * lane + 1;
+      above = above_hi;
+    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
+      group = 2 * lane;
+      above = above_lo;
+    }
+    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;  // exactly one lane holds the crossing
+    group = __shfl_sync(0xffffffffu, group, src);
+    above = __shfl_sync(0xffffffffu, above, src);
+    int c = 0;  // merged count of bin 32 * group + lane
+    for (int q = 0; q < csize; ++q) {
+      const int* hq = csize > 1 ? cluster.map_shared_rank(h, q) : h;
+      c += hq[group * 32 + lane];
+    }
+    int incl2 = c;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w)
-    if (w > warp) above += s.warp_sum[w];
-  if (above < k_rem && above + mine >= k_rem) {  // exactly one thread holds the crossing
-    const int c[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 3; i >= 0; --i) {
-      if (above < k_rem && above + c[i] >= k_rem) {
-        s.found[0] = t * 4 + i;
-        s.found[1] = k_rem - above;
-        s.found[2] = c[i];
-      }
-      above += c[i];
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
+      if (lane + off < 32) incl2 += y;
+    }
+    const int above_bin = above + incl2 - c;
+    if (above_bin < k_rem && above_bin + c >= k_rem) {
+      s.found[0] = group * 32 + lane;
+      s.found[1] = k_rem - above_bin;
+      s.found[2] = c;
     }
   }
   __syncthreads();
@@ -282,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       const int y = __shfl_up_sync(0xffffffffu, incl, off);
       if (lane >= off) incl += y;
     }
-    if (lane == 31) s.warp_sum[warp] = incl;  // (every thread read found / warp_sum of the last level already)
+    if (lane == 31) s.warp_sum[warp] = incl;
     __syncthreads();
     int offset = incl - mine, cta_total = 0;
 #pragma unroll
@@ -312,6 +327,15 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
 
 template <int KPT>
 cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t stream) {
+  if (cluster > 8) {  // 16 CTAs per cluster is beyond the portable 8: allowed per kernel, once (host work)
+    static bool allowed = false;
+    if (!allowed) {
+      const cudaError_t err =
+          cudaFuncSetAttribute(topk_registers_kernel<KPT>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (err != cudaSuccess) return err;
+      allowed = true;
+    }
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((unsigned)cluster, (unsigned)grid_rows, 1);
   config.blockDim = dim3(kThreads, 1, 1);
@@ -338,7 +362,7 @@ int dsa_topk_registers_chunk(int keys_per_thread) {
   return (keys_per_thread == 8 || keys_per_thread == 16 || keys_per_thread == 32) ? keys_per_thread * kThreads : 0;
 }
 
-// Launch on `stream`; returns a cudaError_t (0 = success). `cluster` in 1..8 CTAs per row, each holding
+// Launch on `stream`; returns a cudaError_t (0 = success). `cluster` in 1..16 CTAs per row, each holding
 // keys_per_thread * 512 columns; cluster * chunk must be >= cols (a window's first chunk starts at its start rounded
 // down to a multiple of 4, so the chunks cover [that, that + cluster * chunk), which holds [start, end) as end <=
 // cols). `aligned`: every row base is 16-byte aligned.
