@@ -1,10 +1,37 @@
-"""Indexer configurations of the DeepSeek models (sizes, RoPE layout, quant recipe)."""
+"""Indexer configurations of the DeepSeek models (sizes, RoPE layout, quant recipe).
+
+The numeric recipe is part of the config, so one object says how a model's indexer is reproduced:
+
+- ``scale_fmt`` ("fp32" | "ue8m0"): the scales of the fp8 activation quant that feeds the block-fp8 GEMMs (q_lora into
+  ``wq_b``; x into ``wk`` when ``wk_gemm`` is "fp8"). "ue8m0" rounds each ``amax / 448`` scale up to a power of two, as
+  DeepSeek's inference code does for ``scale_fmt: "ue8m0"`` (V3.2 and V4 declare it); "fp32" keeps ``amax / 448``.
+- ``ue8m0``: the same choice for the indexer's own q and k fp8 quant (the index-K cache stores fp32 scales, so both
+  formats fit its layout).
+- ``wk_gemm`` ("bf16" | "fp8"): V3.2's ``wk`` dequantized once and run as a bf16 GEMM fused with ``weights_proj``, or
+  kept block-fp8 as the checkpoint stores it and run as an fp8 GEMM with x quantized per ``scale_fmt``.
+- ``weights_proj_dtype`` ("bf16" | "fp32"): the precision of the head-weight projection (V3.2's code runs it in fp32).
+- ``key_quant`` ("fp8" | "fp4_e2m1"): the indexer's q and key quant; "fp4_e2m1" is V4's published recipe (e2m1 in
+  blocks of 32 with power-of-two scales; see `dsa_indexer.fp4`).
+
+`IndexerConfig.from_hf_config` reads a model's config.json and takes the model's own recipe from it; the presets
+(`deepseek_v32`, `deepseek_v4_flash`) keep the library's serving defaults, which docs/v4.md and docs/ops.md explain.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
 
 from .rope import YarnScaling
+
+SCALE_FMTS = ("fp32", "ue8m0")
+WK_GEMMS = ("bf16", "fp8")
+WEIGHTS_PROJ_DTYPES = ("bf16", "fp32")
+KEY_QUANTS = ("fp8", "fp4_e2m1")
 
 
 @dataclass(frozen=True)
@@ -28,6 +55,12 @@ class IndexerConfig:
     fp8_block: int = 128
     # Where a layer's indexer tensors live in the checkpoint ({layer} is the layer number).
     checkpoint_prefix: str = "model.layers.{layer}.self_attn.indexer."
+    # The numeric recipe (module docstring): GEMM-input scales, wk's GEMM, weights_proj's precision, q / key quant.
+    scale_fmt: str = "fp32"
+    wk_gemm: str = "bf16"
+    weights_proj_dtype: str = "bf16"
+    key_quant: str = "fp8"
+    fp4_block: int = 32
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "rope_dim", "topk", "max_position",
@@ -45,6 +78,31 @@ class IndexerConfig:
             raise ValueError("q_lora_rank and hidden_size must be multiples of 128 (the fp8 block)")
         if self.compress_ratio not in (1, 4):
             raise ValueError(f"compress_ratio must be 1 or 4, got {self.compress_ratio}")
+        for name, allowed in (("scale_fmt", SCALE_FMTS), ("wk_gemm", WK_GEMMS),
+                              ("weights_proj_dtype", WEIGHTS_PROJ_DTYPES), ("key_quant", KEY_QUANTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"IndexerConfig.{name} must be one of {', '.join(map(repr, allowed))}, got "
+                                 f"{getattr(self, name)!r}")
+        if isinstance(self.fp4_block, bool) or self.fp4_block not in (16, 32, 64, 128):
+            raise ValueError(f"IndexerConfig.fp4_block must be 16, 32, 64 or 128 (a divisor of the head dim), got "
+                             f"{self.fp4_block!r}")
+        if self.wk_gemm == "fp8" and self.compress_ratio != 1:
+            raise ValueError("IndexerConfig.wk_gemm='fp8' is for V3.2's wk; a C4 indexer (compress_ratio 4) has no wk "
+                             "(its keys come from the compressor)")
+        if self.key_quant == "fp4_e2m1" and self.compress_ratio != 4:
+            raise ValueError("IndexerConfig.key_quant='fp4_e2m1' is V4's C4 indexer recipe (compress_ratio 4); V3.2's "
+                             "indexer quantizes q and k to fp8 (key_quant='fp8')")
+
+    @property
+    def gemm_ue8m0(self) -> bool:
+        """Whether the fp8 GEMM inputs (q_lora for wq_b, x for an fp8 wk) get power-of-two scales."""
+        return self.scale_fmt == "ue8m0"
+
+    def recipe(self) -> dict[str, Any]:
+        """The numeric recipe as plain data (for reports, `dsa-indexer info` and test ids)."""
+        return {"scale_fmt": self.scale_fmt, "index_ue8m0": self.ue8m0, "wk_gemm": self.wk_gemm,
+                "weights_proj_dtype": self.weights_proj_dtype, "key_quant": self.key_quant,
+                "fp4_block": self.fp4_block}
 
     @property
     def rope_offset(self) -> int:
@@ -57,8 +115,12 @@ class IndexerConfig:
 
     @classmethod
     def deepseek_v32(cls, **overrides) -> "IndexerConfig":
-        """DeepSeek-V3.2: hidden 7168, q_lora_rank 1536, 64 heads x 128, top-2048, NeoX RoPE on the first 64 dims."""
-        return replace(cls(name="deepseek-v3.2", hidden_size=7168, q_lora_rank=1536), **overrides)
+        """DeepSeek-V3.2: hidden 7168, q_lora_rank 1536, 64 heads x 128, top-2048, NeoX RoPE on the first 64 dims,
+        ``weights_proj`` in fp32 (as DeepSeek's inference code runs it). The GEMM-input scales stay plain fp32 and
+        ``wk`` runs dequantized unless overridden (``scale_fmt="ue8m0", wk_gemm="fp8"`` is the model's own recipe,
+        what `from_hf_config` gives for DeepSeek's config.json)."""
+        return replace(cls(name="deepseek-v3.2", hidden_size=7168, q_lora_rank=1536, weights_proj_dtype="fp32"),
+                       **overrides)
 
     @classmethod
     def deepseek_v4_flash(cls, key_quant: str = "fp8_ue8m0", **overrides) -> "IndexerConfig":
@@ -66,28 +128,154 @@ class IndexerConfig:
         on the trailing 64 dims with ``compress_rope_theta`` 160000 and YaRN (factor 16, original 65536, beta 32/1)
         over 1,048,576 positions, keys compressed 4:1 by the indexer's own `Compressor`.
 
-        ``key_quant``: how q and the compressed keys are quantized for the fp8 logits (see `V4_KEY_QUANT`).
+        ``key_quant``: how q and the compressed keys are quantized for the logits (see `V4_KEY_QUANT`).
         Default ``"fp8_ue8m0"`` (vLLM's recipe, and V4's ``scale_fmt: ue8m0``): power-of-two scales, which every
         backend consumes, Blackwell DeepGEMM's packed UE8M0 scales included. ``"fp8_fp32"`` is SGLang's default
-        (plain amax / 448 scales). Both fill the same cache layout and feed the same kernels."""
+        (plain amax / 448 scales). ``"fp4_e2m1"`` is DeepSeek's published recipe (e2m1, block 32, power-of-two
+        scales; docs/v4.md). All three fill the same cache layout and feed the same kernels."""
         if key_quant not in V4_KEY_QUANT:
-            hint = (" DeepSeek's reference code simulates FP4 (e2m1, block 32) for the indexer's q and k; the index-K "
-                    "cache holds fp8 keys with one scale each, so that recipe is not supported here."
-                    if key_quant.startswith("fp4") else "")
+            hint = (" DeepSeek's FP4 recipe (e2m1, block 32, power-of-two scales) is 'fp4_e2m1'."
+                    if key_quant.lower().startswith("fp4") else "")
             raise ValueError(f"key_quant must be one of {sorted(V4_KEY_QUANT)}, got {key_quant!r}.{hint}")
+        ue8m0, quant = V4_KEY_QUANT[key_quant][0], V4_KEY_QUANT[key_quant][2]
         base = cls(name="deepseek-v4-flash", hidden_size=4096, q_lora_rank=1024, topk=512, rope_position="last",
                    rope_interleaved=True, rope_theta=160000.0,
                    yarn=YarnScaling(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0),
-                   max_position=1 << 20, ue8m0=V4_KEY_QUANT[key_quant][0], k_norm="none", compress_ratio=4,
-                   checkpoint_prefix="layers.{layer}.attn.indexer.")
+                   max_position=1 << 20, ue8m0=ue8m0, k_norm="none", compress_ratio=4,
+                   checkpoint_prefix="layers.{layer}.attn.indexer.", key_quant=quant)
         return replace(base, **overrides)
 
 
-# name -> (power-of-two scales?, who uses it)
+    @classmethod
+    def from_hf_config(cls, source: "str | Path | Mapping[str, Any]", *, allow_missing_mscale: bool = False,
+                       **overrides) -> "IndexerConfig":
+        """The indexer config of a Hugging Face ``config.json`` (a path to the file or its folder, or the parsed dict)
+        of DeepSeek-V3.2 (``model_type`` "deepseek_v32") or DeepSeek-V4 ("deepseek_v4"), with the model's own
+        numeric recipe: ``quantization_config.scale_fmt`` sets the fp8 scale format (an fp8 checkpoint also keeps
+        ``wk`` block-fp8, ``wk_gemm="fp8"``); V4 takes DeepSeek's FP4 indexer recipe. ``overrides`` replace fields.
+
+        RoPE ``mscale``: DeepSeek's indexer RoPE is never amplitude-scaled (its configs carry ``mscale`` =
+        ``mscale_all_dim`` = 1.0, a ratio of 1). A YaRN config without both keys would make transformers scale the
+        indexer's cos / sin by ``0.1 ln(factor) + 1`` (1.369 for V3.2's factor 40): such a file is refused, naming
+        the keys to add, unless ``allow_missing_mscale=True``, which builds DeepSeek's unscaled table anyway (with a
+        warning). A config whose mscale ratio or ``attention_factor`` is not 1 is always refused."""
+        data = _read_hf_config(source)
+        model_type = data.get("model_type")
+        if model_type == "deepseek_v32":
+            base = cls.deepseek_v32()
+            theta_key, compress = "rope_theta", False
+        elif model_type == "deepseek_v4":
+            base = cls.deepseek_v4_flash(key_quant="fp4_e2m1")
+            theta_key, compress = "compress_rope_theta", True
+        else:
+            raise ValueError(f"config model_type is {model_type!r}; from_hf_config reads 'deepseek_v32' and "
+                             "'deepseek_v4' configs (use IndexerConfig(...) or a preset for others)")
+        fields: dict[str, Any] = {"name": str(data.get("_name_or_path") or base.name)}
+        for key, field in (("hidden_size", "hidden_size"), ("q_lora_rank", "q_lora_rank"),
+                           ("index_n_heads", "n_heads"), ("index_head_dim", "head_dim"), ("index_topk", "topk"),
+                           ("qk_rope_head_dim", "rope_dim"), ("max_position_embeddings", "max_position")):
+            if data.get(key) is not None:
+                fields[field] = _config_int(data, key)
+        rope = _rope_section(data, compress)
+        theta = data.get(theta_key, rope.get("rope_theta") if rope else None)
+        if theta is not None:
+            fields["rope_theta"] = float(theta)
+        fields["yarn"] = _yarn_of(rope, allow_missing_mscale, model_type)
+        quant = data.get("quantization_config") or {}
+        scale_fmt = quant.get("scale_fmt", data.get("scale_fmt"))
+        if scale_fmt is not None:
+            if scale_fmt not in SCALE_FMTS:
+                raise ValueError(f"config scale_fmt is {scale_fmt!r}; supported: {', '.join(SCALE_FMTS)}")
+            fields["scale_fmt"] = scale_fmt
+            if not compress:
+                fields["ue8m0"] = scale_fmt == "ue8m0"
+        if quant.get("quant_method") == "fp8" and not compress:
+            fields["wk_gemm"] = "fp8"  # the checkpoint stores wk block-fp8; DeepSeek runs it as an fp8 GEMM
+        if compress and data.get("compress_ratios") is not None and 4 not in data["compress_ratios"]:
+            raise ValueError("config compress_ratios has no ratio-4 (C4) layer: this model has no lightning indexer")
+        return replace(base, **{**fields, **overrides})
+
+
+# name -> (power-of-two scales?, who uses it, IndexerConfig.key_quant)
 V4_KEY_QUANT = {
-    "fp8_ue8m0": (True, "vLLM: fp8 e4m3, one power-of-two (UE8M0) scale per 128 values, stored as fp32"),
-    "fp8_fp32": (False, "SGLang's default: fp8 e4m3, one fp32 scale (amax / 448) per 128 values"),
+    "fp8_ue8m0": (True, "vLLM: fp8 e4m3, one power-of-two (UE8M0) scale per 128 values, stored as fp32", "fp8"),
+    "fp8_fp32": (False, "SGLang's default: fp8 e4m3, one fp32 scale (amax / 448) per 128 values", "fp8"),
+    "fp4_e2m1": (True, "DeepSeek's reference: e2m1 per block of 32, power-of-two scales, bf16 scores", "fp4_e2m1"),
 }
 
 
 MODELS = {"deepseek-v3.2": IndexerConfig.deepseek_v32, "deepseek-v4-flash": IndexerConfig.deepseek_v4_flash}
+
+
+def _read_hf_config(source) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if hasattr(source, "to_dict"):  # a transformers PretrainedConfig
+        return source.to_dict()
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def _config_int(data: Mapping[str, Any], key: str) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config {key} must be an int, got {value!r}")
+    return value
+
+
+def _rope_section(data: Mapping[str, Any], compress: bool) -> dict[str, Any]:
+    """The RoPE scaling dict the indexer uses: ``rope_scaling`` (DeepSeek's files, transformers 4) or
+    ``rope_parameters`` (transformers 5; V4 keys it by rope type, the indexer uses "compress")."""
+    params = data.get("rope_parameters")
+    if isinstance(params, Mapping) and compress and isinstance(params.get("compress"), Mapping):
+        return dict(params["compress"])
+    if isinstance(params, Mapping) and not any(isinstance(v, Mapping) for v in params.values()):
+        return dict(params)
+    scaling = data.get("rope_scaling")
+    return dict(scaling) if isinstance(scaling, Mapping) else {}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek / YaRN's amplitude term ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_of(rope: Mapping[str, Any], allow_missing_mscale: bool, model_type: str) -> YarnScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ValueError(f"config rope type {kind!r}: DeepSeek's indexer uses YaRN (or no scaling)")
+    factor = float(rope["factor"])
+    yarn = YarnScaling(factor=factor, original_max_position=int(rope["original_max_position_embeddings"]),
+                       beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)))
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is not None:
+        amplitude = float(attention_factor)
+        source = f"attention_factor {amplitude}"
+    elif mscale and mscale_all_dim:
+        amplitude = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+        source = f"mscale {mscale} / mscale_all_dim {mscale_all_dim}"
+    else:
+        implied = yarn_mscale(factor)
+        if implied == 1.0:
+            return yarn
+        message = (f"{model_type} config: the YaRN rope scaling (factor {factor:g}) has no 'mscale' and "
+                   f"'mscale_all_dim', so transformers would scale the indexer's RoPE cos/sin by {implied:.3f} "
+                   f"(0.1 * ln({factor:g}) + 1); DeepSeek's indexer RoPE is unscaled (its configs carry mscale = "
+                   "mscale_all_dim = 1.0).")
+        if not allow_missing_mscale:
+            raise ValueError(message + " Add \"mscale\": 1.0, \"mscale_all_dim\": 1.0 to the rope scaling, or pass "
+                             "allow_missing_mscale=True to build DeepSeek's unscaled table anyway")
+        warnings.warn(message + " Building DeepSeek's unscaled table (allow_missing_mscale=True).", stacklevel=3)
+        return yarn
+    if not math.isclose(amplitude, 1.0, rel_tol=1e-9):
+        raise ValueError(f"{model_type} config: the rope scaling's {source} scales the RoPE amplitude by "
+                         f"{amplitude:.4f}; DeepSeek's indexer RoPE is unscaled and this library builds no scaled table")
+    return yarn

@@ -373,15 +373,27 @@ class Indexer(nn.Module):
             self._target = (device, detect_target(device, self._target_override))
         return self._target[1]
 
-    def gemm_input_layout(self, q_lora: torch.Tensor) -> Fp8GroupLayout:
-        """The activation layout the resolved block-fp8 GEMM takes (what a reusable q_lora_quant must match)."""
-        problem = ops.gemm_problem(self.wq_b.weight, q_lora.dtype)  # the problem the GEMM op will build
+    def gemm_input_layout(self, q_lora: torch.Tensor, weight: torch.Tensor | None = None) -> Fp8GroupLayout:
+        """The activation layout this indexer quantizes a GEMM input to, and what a reusable q_lora_quant must match:
+        the resolved block-fp8 GEMM's layout (group size, scale order, fp8 flavour) with the recipe's scale format
+        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight (default wq_b's)."""
+        weight = self.wq_b.weight if weight is None else weight
+        problem = ops.gemm_problem(weight, q_lora.dtype)  # the problem the GEMM op will build
         res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
         layout = layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
         if layout.fp8_dtype is None:  # "the target's flavour"
             layout = dataclasses.replace(layout, fp8_dtype=self.fp8_dtype)
-        return layout
+        # The scale format is the model's recipe, not the kernel's: every GEMM here takes fp32 scales, and
+        # power-of-two ones are fp32 values too.
+        return dataclasses.replace(layout, ue8m0=self.config.gemm_ue8m0)
+
+    def quantize_q_lora(self, q_a: torch.Tensor, norm_weight: torch.Tensor, eps: float = 1e-6
+                        ) -> tuple[torch.Tensor, QuantizedActivation]:
+        """Attention's q_lora producer under this indexer's recipe: ``(q_lora, q_lora_quant)`` from the un-normed
+        ``q_a`` [T, q_lora_rank] (RMSNorm + fp8 group quant, scales in ``config.scale_fmt``), so handing
+        ``q_lora_quant`` to `forward` is reused and bit-identical to quantizing ``q_lora`` again."""
+        return ops.rmsnorm_quant_fp8(q_a, norm_weight, eps, ue8m0=self.config.gemm_ue8m0, target=self.target)
 
     def reuses_unrounded_quant(self) -> bool:
         """Whether a q_lora_quant made before bf16 rounding is reused: the explicit setting, else the platform's."""

@@ -2,8 +2,10 @@
 
 Attention usually quantizes the normed ``q_lora`` for its own ``wq_b`` already; the indexer's ``wq_b`` takes the
 same input with the same block-fp8 recipe, so it can reuse that tensor and skip one quant launch. Reuse is
-only safe when the layout matches what the resolved GEMM implementation accepts; `Fp8GroupLayout` is
-the tag that lets the indexer decide, and `reuse_rejection` says why not when it cannot.
+only safe when the layout matches what the resolved GEMM implementation accepts and the scales are in the
+recipe's format (``IndexerConfig.scale_fmt``: "ue8m0" power-of-two or plain "fp32"), so the result is
+bit-identical to quantizing again under that recipe; `Fp8GroupLayout` is the tag that lets the indexer decide,
+and `reuse_rejection` says why not when it cannot.
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def reuse_rejection(quant: QuantizedActivation, q_lora: torch.Tensor, wq_b_is_bl
     if lay.packed_scales:
         return "scales are packed ue8m0 (Blackwell layout); this GEMM takes fp32 scales"
     if lay.ue8m0 != wanted.ue8m0:
-        return f"scales are {'ue8m0' if lay.ue8m0 else 'plain fp32'}, the GEMM recipe wants {'ue8m0' if wanted.ue8m0 else 'plain fp32'}"
+        # Both are fp32 tensors, but only the recipe's format is bit-identical to what the indexer would quantize.
+        return (f"scales are {'ue8m0' if lay.ue8m0 else 'plain fp32'}, the recipe wants "
+                f"{'ue8m0' if wanted.ue8m0 else 'plain fp32'} (IndexerConfig.scale_fmt="
+                f"{'ue8m0' if wanted.ue8m0 else 'fp32'}; quantize with ue8m0={wanted.ue8m0})")
     if lay.group_size != wanted.group_size:
         return f"group size {lay.group_size}, the GEMM wants {wanted.group_size}"
     if lay.scale_major != wanted.scale_major:
