@@ -15,14 +15,17 @@ For each op the registry's accepted candidates are forced in turn. Timing: on a 
 in a CUDA graph (warm-up first, on a side stream) and its replays are timed by CUDA events, L2 flushed (a 256 MiB
 write) before every replay, the median of ``--repeats``; what cannot be captured is timed eagerly by CUDA events
 (the row says which). On a CPU the sizes are small and the wall clock times eager calls: those are CPU numbers,
-not GPU numbers. Throughput is reported with the fraction of the measured ceiling: copy bandwidth for the memory
-bound ops (bytes read + written; for the step, the floor is its weights + every context key once + its inputs and
-output), and the fp8 (GPU) or fp32 (CPU) matmul rate for prefill.
+not GPU numbers. Every row keeps the spread of its samples next to the median (min, p10, p90, max, count: the
+table's ``min us``, ``p10-p90 us`` and ``n``, the JSON's ``spread``). Throughput is reported with the fraction of
+the measured ceiling: copy bandwidth for the memory bound ops (bytes read + written; for the step, the floor is its
+weights + every context key once + its inputs and output), and the fp8 (GPU) or fp32 (CPU) matmul rate for
+prefill. The ceilings keep their samples' spread too (``ceiling_spread``); one whose fastest sample is 10x its
+slowest or more (a busy CPU) is flagged ``UNSTABLE`` in the table and ``unstable`` in the JSON, with a warning.
 
 Output: a table, ``--json FILE`` (``-`` for stdout: then stdout holds the JSON only), and PNG plots with
-``--plots DIR`` (matplotlib: the ``bench`` extra): latency vs context per implementation, fraction of the
-bandwidth floor, pipeline strategies (dual vs single stream, with and without q_lora reuse), top-k speedup over
-torch.topk, and prefill latency. Progress goes to stderr: a rich or tqdm bar on a terminal when one is installed,
+``--plots DIR`` (matplotlib: the ``bench`` extra): latency vs context per implementation, bandwidth as a
+percentage of the measured copy bandwidth, the pipeline strategies accepted here (with and without q_lora reuse),
+top-k speedup over torch.topk, and prefill latency. Progress goes to stderr: a rich or tqdm bar on a terminal when one is installed,
 else one line per measured item.
 """
 
@@ -73,6 +76,8 @@ class Row:
     unit: str
     fraction_of_ceiling: float | None
     details: dict = field(default_factory=dict)
+    # min, p10, median, p90, max (us) and count of the samples behind time_us; None in reports saved before it
+    spread: dict | None = None
 
 
 @dataclass
@@ -86,27 +91,92 @@ class BenchReport:
     skipped_for_time: list[str] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)  # measurements that raised: recorded, the rest still run
     skipped: list[dict] = field(default_factory=list)  # implementations left out on purpose, with the reason
+    # Per ceiling: the spread of its samples (as rates) and ``unstable`` when they vary UNSTABLE_RATIO-fold or more.
+    ceiling_spread: dict = field(default_factory=dict)
+
+    def unstable_ceilings(self) -> list[str]:
+        return [name for name, spread in self.ceiling_spread.items() if spread.get("unstable")]
+
+    def warnings(self) -> list[str]:
+        out = []
+        for name in self.unstable_ceilings():
+            spread = self.ceiling_spread[name]
+            out.append(f"ceiling {name} varied {spread['max_over_min']:.1f}x between its {spread['count']} samples "
+                       f"(min {format_number(spread['min'])}, max {format_number(spread['max'])}): the fractions of "
+                       "it are unreliable (a busy or throttled machine); re-run on an idle machine or with more "
+                       "--repeats")
+        return out
 
     def as_dict(self) -> dict:
         return {"device": self.device, "target": self.target, "note": self.note, "settings": self.settings,
-                "ceilings": self.ceilings, "rows": [asdict(r) for r in self.rows],
+                "ceilings": self.ceilings, "ceiling_spread": self.ceiling_spread, "warnings": self.warnings(),
+                "rows": [asdict(r) for r in self.rows],
                 "skipped_for_time": self.skipped_for_time, "skipped": self.skipped, "errors": self.errors}
 
 
 def report_from_json(data: dict) -> BenchReport:
     """A saved report (``--json``) back as a `BenchReport`: its table and plots render again without measuring
-    (a GPU machine without matplotlib saves the JSON; the plots are drawn elsewhere)."""
+    (a GPU machine without matplotlib saves the JSON; the plots are drawn elsewhere). Reports saved before the
+    spread was recorded read too: their rows have ``spread`` None (the table prints ``-``)."""
     try:
         rows = [Row(**row) for row in data["rows"]]
         return BenchReport(device=data["device"], target=data["target"], note=data.get("note", ""),
                            ceilings=data.get("ceilings", {}), rows=rows, settings=data.get("settings", {}),
                            skipped_for_time=data.get("skipped_for_time", []), errors=data.get("errors", []),
-                           skipped=data.get("skipped", []))
+                           skipped=data.get("skipped", []), ceiling_spread=data.get("ceiling_spread", {}))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a dsa-indexer bench report ({type(exc).__name__}: {exc})") from None
 
 
 # --- timing --------------------------------------------------------------------------------------------------------
+UNSTABLE_RATIO = 10.0  # a ceiling whose fastest sample is this many times its slowest is flagged
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of sorted ``ordered``, interpolating linearly between the nearest samples."""
+    if not ordered:
+        raise ValueError("percentile of no samples")
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def spread_of(samples: Sequence[float]) -> dict:
+    """min, p10, median, p90, max and count of ``samples``."""
+    ordered = sorted(samples)
+    return {"min": ordered[0], "p10": percentile(ordered, 0.1), "median": statistics.median(ordered),
+            "p90": percentile(ordered, 0.9), "max": ordered[-1], "count": len(ordered)}
+
+
+class Timing(float):
+    """The median of timed samples in microseconds (a float), carrying the samples and their `spread_of`: a row
+    built from it records how much its samples varied, not only their median."""
+
+    samples: tuple[float, ...]
+    spread: dict
+
+    def __new__(cls, samples_us: Sequence[float]) -> "Timing":
+        samples = tuple(float(s) for s in samples_us)
+        if not samples:
+            raise ValueError("a Timing needs at least one sample")
+        value = super().__new__(cls, statistics.median(samples))
+        value.samples, value.spread = samples, spread_of(samples)
+        return value
+
+
+def rate_spread(timing: Timing, amount: float) -> dict:
+    """The spread of ``amount / sample`` over ``timing``'s samples (a rate: the slowest sample is its min), and
+    ``max_over_min`` with ``unstable`` (the fastest sample at least UNSTABLE_RATIO times the slowest)."""
+    rates = sorted(amount / s for s in timing.samples if s > 0)
+    if not rates:
+        return {"count": 0, "unstable": False}
+    spread = spread_of(rates)
+    spread["max_over_min"] = rates[-1] / rates[0]
+    spread["unstable"] = spread["max_over_min"] >= UNSTABLE_RATIO
+    return spread
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -124,16 +194,16 @@ def capture(fn: Callable[[], object], warmup: int = 2):
 
 
 class Timer:
-    """Medians of ``repeats`` samples of ``fn``: CUDA-graph replays timed by events (L2 flushed before each) on a
-    GPU when ``fn`` can be captured, CUDA events on eager calls when it cannot, the wall clock on a CPU. ``mode``
-    says how the last call was timed."""
+    """Medians of ``repeats`` samples of ``fn`` (a `Timing`: the samples and their spread come with it):
+    CUDA-graph replays timed by events (L2 flushed before each) on a GPU when ``fn`` can be captured, CUDA events
+    on eager calls when it cannot, the wall clock on a CPU. ``mode`` says how the last call was timed."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
         self.device, self.repeats = device, repeats
         self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
         self.mode = ""
 
-    def __call__(self, fn: Callable[[], object]) -> float:
+    def __call__(self, fn: Callable[[], object]) -> Timing:
         if self.device.type != "cuda":
             fn()  # warm-up: first resolutions, allocator growth
             _synchronize(self.device)
@@ -144,7 +214,7 @@ class Timer:
                 _synchronize(self.device)
                 samples.append((time.perf_counter() - start) * 1e6)
             self.mode = "wall clock, eager"
-            return statistics.median(samples)
+            return Timing(samples)
         fn()  # warm-up: JIT compiles, first resolutions, allocator growth
         torch.cuda.synchronize()
         run, graph = fn, None
@@ -163,16 +233,19 @@ class Timer:
             stop.record()
         torch.cuda.synchronize()
         del graph
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops))
+        return Timing([s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)])
 
 
-def measure_ceilings(device: torch.device, timer: Timer, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
-    """Copy bandwidth (bytes read + written per second) and the matmul rate, measured here and now."""
+def measure_ceilings(device: torch.device, timer: Timer, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                     ) -> tuple[dict, dict]:
+    """``(ceilings, spread)``: copy bandwidth (bytes read + written per second) and the matmul rate, measured here
+    and now (the rate of the median sample), and per ceiling the `rate_spread` of its samples."""
     n = (256 << 20) if device.type == "cuda" else (32 << 20)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_us = timer(lambda: dst.copy_(src))
     ceilings = {"copy_GBps": 2 * n / copy_us / 1e3}
+    spread = {"copy_GBps": rate_spread(copy_us, 2 * n / 1e3)}
     m = 8192 if device.type == "cuda" else 512
     a = torch.randn(m, m, device=device)
     if device.type == "cuda":
@@ -182,13 +255,15 @@ def measure_ceilings(device: torch.device, timer: Timer, fp8_dtype: torch.dtype 
         try:
             us = timer(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
             ceilings["fp8_matmul_TFLOPs"] = 2 * m ** 3 / us / 1e6
+            spread["fp8_matmul_TFLOPs"] = rate_spread(us, 2 * m ** 3 / 1e6)
         except Exception as exc:  # noqa: BLE001
             ceilings["fp8_matmul_TFLOPs"] = None
             ceilings["fp8_matmul_error"] = f"{type(exc).__name__}: {exc}"
     else:
         us = timer(lambda: a @ a)
         ceilings["fp32_matmul_TFLOPs"] = 2 * m ** 3 / us / 1e6
-    return ceilings
+        spread["fp32_matmul_TFLOPs"] = rate_spread(us, 2 * m ** 3 / 1e6)
+    return ceilings, spread
 
 
 # --- resolution ----------------------------------------------------------------------------------------------------
@@ -338,8 +413,8 @@ class _Run:
     def add(self, suite: str, op: str, impl: str, shape: dict, us: float, amount: float, unit: str,
             ceiling: float | None, **details) -> Row:
         rate = amount / us / (1e3 if unit == "GB/s" else 1e6)
-        row = Row(suite, op, impl, shape, us, rate, unit, rate / ceiling if ceiling else None,
-                  {"timing": self.timer.mode, **details})
+        row = Row(suite, op, impl, shape, float(us), rate, unit, rate / ceiling if ceiling else None,
+                  {"timing": self.timer.mode, **details}, getattr(us, "spread", None))
         self.report.rows.append(row)
         return row
 
@@ -577,13 +652,14 @@ def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats
     timer = Timer(device, repeats or (25 if on_gpu else 5))
     started = time.perf_counter()
     report = BenchReport(str(device), str(target), "" if on_gpu else CPU_NOTE, {})
-    report.ceilings = measure_ceilings(device, timer, target.fp8_dtype)
+    report.ceilings, report.ceiling_spread = measure_ceilings(device, timer, target.fp8_dtype)
     report.settings = {"suites": list(suites), "repeats": timer.repeats, "batches": batches, "contexts": contexts,
                        "prefill": [list(p) for p in prefill], "budget_s": budget_s,
                        "plugins_failed": list(default_registry().plugins_failed),
                        "timing": ("CUDA-graph replays timed by CUDA events, L2 flushed (256 MiB write) before each, "
-                                  "warm-up excluded, median" if on_gpu else "wall clock of eager calls, warm-up "
-                                  "excluded, median")}
+                                  "warm-up excluded, median (rows' spread: min, p10, p90, max, count)" if on_gpu
+                                  else "wall clock of eager calls, warm-up excluded, median (rows' spread: min, "
+                                  "p10, p90, max, count)")}
     run = _Run(report, target, device, timer)
     items: list[tuple[str, Callable[[], None]]] = []
     if "decode" in want:
@@ -614,20 +690,65 @@ def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats
 
 
 # --- output --------------------------------------------------------------------------------------------------------
+def format_number(value: float | None) -> str:
+    """Three significant digits (no more than one decimal place from 100 up): a CPU's 0.004 TFLOP/s prints as
+    0.004, never as 0.0."""
+    if value is None:
+        return "-"
+    size = abs(value)
+    if size == 0 or size >= 100:
+        return f"{value:.0f}"
+    if size >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}" if size < 1 else f"{value:.2f}"
+
+
+def ceiling_of(report: BenchReport, unit: str) -> str | None:
+    """The ceiling a row of ``unit`` is judged against: copy bandwidth for GB/s, the matmul rate for TFLOP/s."""
+    if unit == "GB/s":
+        return "copy_GBps"
+    if unit == "TFLOP/s":
+        return next((name for name in ("fp8_matmul_TFLOPs", "fp32_matmul_TFLOPs") if report.ceilings.get(name)),
+                    None)
+    return None
+
+
+def _ceiling_text(report: BenchReport, name: str, value) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{name} {value}"
+    spread = report.ceiling_spread.get(name) or {}
+    if not spread.get("count"):
+        return f"{name} {format_number(value)}"
+    text = (f"{name} {format_number(value)} (min {format_number(spread['min'])}, max {format_number(spread['max'])},"
+            f" n={spread['count']})")
+    return text + (" UNSTABLE" if spread.get("unstable") else "")
+
+
 def format_table(report: BenchReport) -> str:
+    """The report as text: ceilings with their spread, then one row per measurement with the median time and the
+    spread of its samples (min, p10-p90, count; ``-`` for reports saved before the spread was recorded), the
+    throughput and the fraction of its ceiling (``*``: that ceiling is flagged unstable)."""
+    unstable = set(report.unstable_ceilings())
     lines = [f"dsa-indexer bench on {report.device} (target {report.target})" +
              (f"\nnote: {report.note}" if report.note else ""),
              *([f"plugins failed: {'; '.join(report.settings['plugins_failed'])}"]
                if report.settings.get("plugins_failed") else []),
-             "ceilings: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in report.ceilings.items()),
-             f"{'suite':<8} {'op':<18} {'implementation':<40} {'shape':<24} {'time us':>10} {'throughput':>16} "
-             f"{'of ceiling':>10}"]
+             "ceilings: " + ", ".join(_ceiling_text(report, k, v) for k, v in report.ceilings.items()),
+             *(f"warning: {w}" for w in report.warnings()),
+             f"{'suite':<8} {'op':<18} {'implementation':<40} {'shape':<24} {'median us':>10} {'min us':>9} "
+             f"{'p10-p90 us':>17} {'n':>3} {'throughput':>16} {'of ceiling':>11}"]
     for r in report.rows:
         shape = " ".join(f"{k}={v}" for k, v in r.shape.items())
-        frac = f"{r.fraction_of_ceiling:.1%}" if r.fraction_of_ceiling is not None else "-"
-        lines.append(f"{r.suite:<8} {r.op:<18} {r.implementation:<40} {shape:<24} {r.time_us:>10.1f} "
-                     f"{r.throughput:>10.2f} {r.unit:<5} {frac:>10}")
+        frac = "-"
+        if r.fraction_of_ceiling is not None:
+            frac = f"{100 * r.fraction_of_ceiling:.3g}%" + ("*" if ceiling_of(report, r.unit) in unstable else "")
+        spread = r.spread or {}
+        low_high = (f"{format_number(spread['p10'])}-{format_number(spread['p90'])}" if spread else "-")
+        lines.append(f"{r.suite:<8} {r.op:<18} {r.implementation:<40} {shape:<24} {format_number(r.time_us):>10} "
+                     f"{format_number(spread.get('min')):>9} {low_high:>17} {spread.get('count', '-'):>3} "
+                     f"{format_number(r.throughput):>10} {r.unit:<5} {frac:>11}")
+    if any(ceiling_of(report, r.unit) in unstable and r.fraction_of_ceiling is not None for r in report.rows):
+        lines.append("*: a fraction of an unstable ceiling (see the warning above)")
     if any(r.op == PIPELINE for r in report.rows):
         model = next(r.details.get("model") for r in report.rows if r.op == PIPELINE)
         lines.append(f"{PIPELINE}: one {model} indexer decode step per strategy; its floor is its weights + every "
@@ -664,18 +785,37 @@ def _by(rows, key) -> dict:
     return out
 
 
+def streams_title(variants: Sequence[str], annotated: bool) -> str:
+    """The pipeline plot's title, naming the strategies drawn (a CPU draws single stream only)."""
+    strategies = sorted({v.removesuffix(REUSE) for v in variants})
+    reuse = {v.endswith(REUSE) for v in variants}
+    title = "indexer decode step: " + " vs ".join(strategies)
+    if reuse == {True, False}:
+        title += ", each without / with q_lora reuse"
+    elif reuse == {True}:
+        title += ", with q_lora reuse"
+    return title + ("\n(bar labels: time relative to single stream)" if annotated else "")
+
+
+def topk_k_text(contexts: Sequence[int]) -> str:
+    """The k of the top-k rows: TOPK, capped by the context where a context is shorter (torch.topk's k there)."""
+    return f"k=min({TOPK}, context)" if any(c < TOPK for c in contexts) else f"k={TOPK}"
+
+
 def write_plots(report: BenchReport, folder) -> list[str]:
     """PNG plots of ``report`` into ``folder`` (created); returns the paths written, for the rows present:
-    ``bench_decode.png`` latency vs context per implementation, ``bench_floor.png`` fraction of the bandwidth floor
-    per implementation, ``bench_streams.png`` the pipeline strategies' step time (dual vs single stream, with and
-    without q_lora reuse), ``bench_topk.png`` top-k speedup over torch.topk, ``bench_prefill.png`` prefill latency.
-    Needs matplotlib (the ``bench`` extra): RuntimeError otherwise."""
+    ``bench_decode.png`` latency vs context per implementation (median, bars p10-p90 where the spread was
+    recorded), ``bench_floor.png`` each bandwidth-bound row's bytes / time as a percentage of the measured copy
+    bandwidth (for the whole step those bytes are its floor), ``bench_streams.png`` the pipeline strategies' step
+    time (those accepted here, with and without q_lora reuse), ``bench_topk.png`` top-k speedup over torch.topk,
+    ``bench_prefill.png`` prefill latency. Needs matplotlib (the ``bench`` extra): RuntimeError otherwise."""
     plt = require_matplotlib()
     from pathlib import Path
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     title = f"{report.device} ({report.target})" + (", CPU numbers" if report.note else "")
+    unstable = set(report.unstable_ceilings())
     written: list[str] = []
 
     def save(fig, name: str) -> None:
@@ -693,18 +833,23 @@ def write_plots(report: BenchReport, folder) -> list[str]:
             impls = sorted({r.implementation for r in rows})
             batches = sorted({r.shape["batch"] for r in rows})
             contexts = sorted({r.shape["context"] for r in rows})
+            with_spread = all(r.spread for r in rows)
             for (impl, batch), mine in sorted(_by(rows, lambda r: (r.implementation, r.shape["batch"])).items()):
                 mine = sorted(mine, key=lambda r: r.shape["context"])
                 style = batches.index(batch)
-                ax.plot([r.shape["context"] for r in mine], [r.time_us for r in mine], color=f"C{impls.index(impl)}",
-                        marker="os^vD<>"[style % 7], linestyle=("-", "--", ":", "-.")[style % 4],
-                        label=f"{impl} B={batch}")
+                # p10-p90 bars around the median when every row has its spread (older reports have none)
+                bars = ([[max(0.0, r.time_us - r.spread["p10"]) for r in mine],
+                         [max(0.0, r.spread["p90"] - r.time_us) for r in mine]] if with_spread else None)
+                ax.errorbar([r.shape["context"] for r in mine], [r.time_us for r in mine], yerr=bars,
+                            color=f"C{impls.index(impl)}", marker="os^vD<>"[style % 7],
+                            linestyle=("-", "--", ":", "-.")[style % 4], capsize=2 if bars else 0,
+                            label=f"{impl} B={batch}")
             ax.set_xscale("log", base=2)
             ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
             ax.minorticks_off()
             ax.set_yscale("log")
             ax.set_xlabel("context (tokens)")
-            ax.set_ylabel("time (us, median)")
+            ax.set_ylabel("time (us): median, bars p10-p90" if with_spread else "time (us, median)")
             ax.set_title(f"{op}: latency vs context")
             ax.legend(fontsize=6)
         fig.suptitle(title, fontsize=9)
@@ -722,10 +867,12 @@ def write_plots(report: BenchReport, folder) -> list[str]:
                 ax.plot(xs, [100 * at[shapes[i]] for i in xs], marker="o", label=impl)
             ax.set_xticks(range(len(shapes)), ["x".join(map(str, s)) for s in shapes], rotation=45, fontsize=7)
             ax.set_xlabel("B x context")
-            ax.set_ylabel("% of the copy-bandwidth floor")
-            ax.set_title(f"{op}: fraction of the bandwidth floor")
+            ax.set_ylabel("bytes / time, % of the measured copy bandwidth")
+            ax.set_title(f"{op}: bandwidth vs the copy ceiling" + (" (bytes: the step's floor)" if op == PIPELINE
+                                                                    else ""), fontsize=9)
             ax.legend(fontsize=6)
-        fig.suptitle(f"{title}; copy {report.ceilings.get('copy_GBps', 0):.0f} GB/s", fontsize=9)
+        fig.suptitle(f"{title}; copy {format_number(report.ceilings.get('copy_GBps', 0))} GB/s" +
+                     (" (UNSTABLE: its samples varied 10x or more)" if "copy_GBps" in unstable else ""), fontsize=9)
         save(fig, "bench_floor.png")
 
     steps = [r for r in report.rows if r.op == PIPELINE]  # the V3.2 step per strategy
@@ -734,6 +881,7 @@ def write_plots(report: BenchReport, folder) -> list[str]:
         variants = sorted({r.implementation for r in steps}, key=lambda v: (v.endswith(REUSE), v))
         width = 0.8 / len(variants)
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(shapes)), 4.5))
+        annotated = False
         for i, variant in enumerate(variants):
             at = {tuple(r.shape.values()): r for r in steps if r.implementation == variant}
             xs = [j for j, s in enumerate(shapes) if s in at]
@@ -742,13 +890,13 @@ def write_plots(report: BenchReport, folder) -> list[str]:
             for bar, j in zip(bars, xs):
                 ratio = at[shapes[j]].details.get("time_vs_single_stream")
                 if ratio is not None:
+                    annotated = True
                     ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=6)
         ax.set_xticks(range(len(shapes)), ["x".join(map(str, s)) for s in shapes], fontsize=7)
         ax.set_xlabel("B x context")
         ax.set_ylabel("step time (us, median)")
-        ax.set_title("indexer decode step: dual vs single stream, with / without q_lora reuse\n"
-                     "(labels: time relative to single stream)", fontsize=9)
+        ax.set_title(streams_title(variants, annotated), fontsize=9)
         ax.legend(fontsize=7)
         fig.suptitle(title, fontsize=9)
         save(fig, "bench_streams.png")
@@ -764,8 +912,9 @@ def write_plots(report: BenchReport, folder) -> list[str]:
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="torch.topk")
         ax.set_xticks(range(len(shapes)), ["x".join(map(str, s)) for s in shapes], rotation=45, fontsize=7)
         ax.set_xlabel("B x context")
-        ax.set_ylabel("speedup over torch.topk (x)")
-        ax.set_title(f"top-k (k={TOPK}) vs torch.topk; {title}", fontsize=9)
+        ax.set_ylabel("speedup over torch.topk (x, ratio of medians)")
+        ax.set_title(f"top-k ({topk_k_text([r.shape['context'] for r in topk])}) vs torch.topk; {title}",
+                     fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "bench_topk.png")
 
@@ -784,7 +933,7 @@ def write_plots(report: BenchReport, folder) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("queries x keys (causal)")
         ax.set_ylabel("time (us, median)")
-        ax.set_title(f"ragged_mqa_logits; {title}", fontsize=9)
+        ax.set_title(f"ragged_mqa_logits (causal prefill logits); {title}", fontsize=9)
         ax.legend(fontsize=7)
         save(fig, "bench_prefill.png")
     return written
