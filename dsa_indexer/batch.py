@@ -18,7 +18,13 @@ from .contract.cache import PAGE_SIZE
 from .contract.validate import IndexerInputError
 
 
-def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...]) -> torch.Tensor:
+def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
+    empty = (isinstance(value, (list, tuple)) and len(value) == 0
+             or isinstance(value, torch.Tensor) and value.numel() == 0)
+    if per_request and empty:
+        raise IndexerInputError(f"{name} must name at least one request, got an empty {type(value).__name__} (an "
+                                "idle rank has nothing to store or score: skip the indexer for that step; see "
+                                "docs/troubleshooting.md)")
     if isinstance(value, torch.Tensor):
         if value.device.type == "meta":
             raise IndexerInputError(f"{name} is a meta tensor: batch metadata needs real values")
@@ -139,7 +145,7 @@ class DecodeBatch:
             raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,))
+        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
         table = _as_host_int_tensor("block_table", block_table, (2,))
         if seq.numel() == 0:
             raise IndexerInputError("seq_lens must name at least one request")
@@ -267,8 +273,8 @@ class PrefillBatch:
         request order). ``state_slots[b]``: the `CompressorState` slot of request b (C4; default b)."""
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,))
-        extend = _as_host_int_tensor("extend_lens", extend_lens, (1,))
+        prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,), per_request=True)
+        extend = _as_host_int_tensor("extend_lens", extend_lens, (1,), per_request=True)
         table = _as_host_int_tensor("block_table", block_table, (2,))
         if prefix.shape != extend.shape or prefix.numel() == 0:
             raise IndexerInputError(f"prefix_lens and extend_lens must be non-empty and of one length, got "

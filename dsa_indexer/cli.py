@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -16,7 +17,7 @@ from . import __version__
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.environment import default_probes
-from .dispatch.target import detect_target, known_targets, parse_target, warn_if_unknown_arch
+from .dispatch.target import detect_target, known_targets, parse_target
 
 DEFAULT_PROBLEMS = {
     "q_prologue": dict(heads=64, dim=128, rope_dim=64, interleaved=False, ue8m0=True, fp8="fn"),
@@ -86,62 +87,124 @@ def _versions() -> dict:
 
 
 def _simulated_target(args):
-    target = detect_target(override=args.target)
-    if args.target:
-        warn_if_unknown_arch(target, "--target")
-    return target
+    return detect_target(override=parse_target(args.target, "--target") if args.target else None)
+
+
+def _vendor_lines(environment) -> list[str]:
+    """Per vendor library of the registered platforms: importable from where, and the probe's verdict (what the
+    installed version provides, or why it is not used)."""
+    from .dispatch.platform import vendor_libraries
+    from .dispatch.vendor import LIBRARIES, importable_from
+
+    lines = []
+    for fact, module in sorted(vendor_libraries().items()):
+        where = importable_from(module)
+        if where is None:
+            lines.append(f"  {fact}: not importable")
+            continue
+        missing = environment.missing(fact)
+        library = LIBRARIES.get(module)
+        verdict = (f"not used: {missing}" if missing is not None
+                   else f"usable: {library.description() or module}" if library is not None else "usable")
+        lines.append(f"  {fact}: importable from {where}; {verdict}")
+    return lines
 
 
 def cmd_info(args) -> int:
     registry = default_registry()
     target = _simulated_target(args)
+    env = _environment(args.assume, registry)
+    strict = registry.is_strict()
+    rows = []
+    for op in registry.ops():
+        res = registry.resolve_runnable(op, target, _problem_for(op, target, {}), environment=env)
+        rows.append(res)
+    simulated = bool(args.target or os.environ.get("DSA_INDEXER_TARGET"))
+    if args.json:
+        report = {"dsa_indexer": __version__, "target": str(target), "simulated_target": simulated,
+                  "environment": (env or registry.environment).name, "strict": strict, "versions": _versions(),
+                  "plugins_loaded": list(registry.plugins_loaded), "plugins_failed": list(registry.plugins_failed),
+                  "forced": registry.forced(), "resolutions": [res.to_dict() for res in rows]}
+        _write_json(report, args.json)
+        return 0
     print(f"dsa_indexer {__version__}")
     print(f"target: {target} (vendor {target.vendor}, fp8 {str(target.fp8_dtype).replace('torch.', '')})"
-          + ("  [simulated]" if args.target or os.environ.get("DSA_INDEXER_TARGET") else ""))
+          + ("  [simulated]" if simulated else ""))
+    if env is not None:
+        print(f"environment: {env.name}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items() if v))
-    print("not installed: " + ", ".join(k for k, v in _versions().items() if not v))
+    print("not installed (no distribution metadata): " + ", ".join(k for k, v in _versions().items() if not v))
+    if env is None:
+        print("vendor libraries:")
+        for line in _vendor_lines(registry.environment):
+            print(line)
     print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
     print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
     forced = registry.forced()
     print(f"forced: {', '.join(f'{op}={impl}' for op, impl in sorted(forced.items())) or '-'}")
+    print(f"strict mode: {'on (DSA_INDEXER_STRICT): a reference fallback below raises' if strict else 'off'}")
     print(f"\nresolution on {target}:")
-    for op in registry.ops():
-        res = registry.resolve_runnable(op, target, _problem_for(op, target, {}))
+    width = max(len(res.op) for res in rows)
+    chosen_width = max(len(res.chosen.impl_id) if res.chosen else 4 for res in rows)
+    for res in rows:
         chosen = res.chosen.impl_id if res.chosen else "NONE"
-        note = "  (reference fallback)" if res.is_fallback else ""
-        print(f"  {op:<22} -> {chosen}{note}")
+        note = ""
+        if res.is_fallback:
+            note = "  (reference fallback: strict mode refuses it)" if strict else "  (reference fallback)"
+        print(f"  {res.op:<{width}} -> {chosen:<{chosen_width}}{note}".rstrip())
     return 0
 
 
-def _environment(assume: Sequence[str]):
+def _write_json(report: dict, path: str) -> None:
+    """``--json FILE`` or ``--json -`` (stdout)."""
+    if path == "-":
+        json.dump(report, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+        return
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=2, default=str)
+
+
+def known_facts(registry) -> list[str]:
+    """Facts `--assume` may name: the environment's probes and every fact a registration requires."""
+    return sorted(set(default_probes()) | registry.required_facts())
+
+
+def _environment(assume: Sequence[str], registry=None):
     """None (the detected environment) or a simulated one from ``--assume gpu=yes triton=yes deep_gemm=no``."""
     if not assume:
         return None
     from .dispatch.environment import Environment
 
     facts = {}
-    known = default_probes()
+    known = known_facts(registry or default_registry())
     for item in assume:
         fact, sep, value = item.partition("=")
-        if not sep or value.lower() not in ("yes", "no", "1", "0", "true", "false"):
+        if not sep or value.lower() not in ("yes", "no", "1", "0", "true", "false", "on", "off"):
             raise SystemExit(f"--assume entries must read fact=yes|no, got {item!r}")
         if fact not in known:
             raise SystemExit(f"--assume: unknown fact {fact!r}; known facts: {', '.join(known)}")
-        facts[fact] = value.lower() in ("yes", "1", "true")
+        facts[fact] = value.lower() in ("yes", "1", "true", "on")
     return Environment.simulated(**facts)
 
 
 def cmd_explain(args) -> int:
     registry = default_registry()
     target = _simulated_target(args)
-    env = _environment(args.assume)
+    env = _environment(args.assume, registry)
     ops = registry.ops() if args.op == "all" else [args.op]
+    results = []
     for op in ops:
         if op not in registry.ops():
             print(f"unknown op {op!r}; known ops: {', '.join(registry.ops())}", file=sys.stderr)
             return 2
-        print(registry.resolve_runnable(op, target, _problem_for(op, target, _parse_facts(args.problem)),
-                                        environment=env).explain())
+        results.append(registry.resolve_runnable(op, target, _problem_for(op, target, _parse_facts(args.problem)),
+                                                 environment=env))
+    if args.json:
+        _write_json({"strict": registry.is_strict(), "resolutions": [res.to_dict() for res in results]}, args.json)
+        return 0
+    for res in results:
+        print(res.explain())
         print()
     return 0
 
@@ -170,13 +233,22 @@ def cmd_run(args) -> int:
 
     settings = RunSettings(model=args.model, device=args.device, batch=args.batch, context=args.context,
                            steps=args.steps, prefill_tokens=args.prefill_tokens, next_n=args.next_n, seed=args.seed,
-                           verify=not args.no_verify, target=parse_target(args.target) if args.target else None)
-    report = run_main_job(settings, progress=_Progress)
+                           verify=not args.no_verify,
+                           target=parse_target(args.target, "--target") if args.target else None)
+    json_stdout = args.json == "-"
+    stdout = sys.stdout
+    # With --json -, stdout carries the JSON only (as for bench): the report's text goes to stderr meanwhile.
+    with contextlib.redirect_stdout(sys.stderr) if json_stdout else contextlib.nullcontext():
+        report = run_main_job(settings, progress=_Progress)
     if args.json:
         report = {"command": "dsa-indexer " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("dsa-indexer")
                   else "dsa-indexer run ...", **report}
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2, default=str)
+        if json_stdout:
+            json.dump(report, stdout, indent=2, default=str)
+            stdout.write("\n")
+        else:
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=2, default=str)
     return 0 if report["verified"] in (True, None) else 1
 
 
@@ -196,12 +268,26 @@ def _positive_int(text: str) -> int:
 
 
 def _writable_json_path(text: str) -> str:
-    """Checked before the run: a report path whose folder does not exist fails now, not after minutes of work."""
+    """``--json FILE`` ('-': stdout), checked before the run: a path that is a folder, whose folder does not exist or
+    cannot be written fails now with one line (exit 2), not after minutes of work with a traceback."""
     import pathlib
 
-    folder = pathlib.Path(text).expanduser().resolve().parent
+    if text == "-":
+        return text
+    path = pathlib.Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name inside it")
+    folder = path.resolve().parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"the folder {str(folder)!r} does not exist")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()  # only the check: the report is written after the run
     return text
 
 
@@ -236,11 +322,19 @@ def _readable_file(text: str) -> str:
 
 
 def _plots_folder(text: str) -> str:
+    """``--plots DIR``: created now and checked writable (a plot folder that cannot be written fails before the run)."""
     import pathlib
+    import tempfile
 
     path = pathlib.Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsa-indexer-check-"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write plots into {text!r}: {exc.strerror or exc}") from None
     return text
 
 
@@ -311,9 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dsa-indexer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="detected target, versions, plugins, the resolution of every op")
+    info = sub.add_parser("info", help="detected target, versions, vendor libraries, plugins, the resolution of "
+                                       "every op")
     known = ", ".join(str(t) for t in known_targets())
+    assume_help = ("simulate the machine instead of probing it: any fact a registration requires, e.g. gpu, triton, "
+                   "deep_gemm, cuda_jit, flashinfer, aiter, torch_npu (facts not named are absent); `dsa-indexer "
+                   "explain all --assume` lists none unknown")
     info.add_argument("--target", help=f"simulate a target ({known})")
+    info.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no", help=assume_help)
+    info.add_argument("--json", type=_writable_json_path, metavar="FILE",
+                      help="write the report as JSON to FILE ('-': stdout) instead of the text")
     info.set_defaults(func=cmd_info)
 
     explain = sub.add_parser("explain", help="the full resolution trace of an op ('all' for every op)")
@@ -321,9 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--target", help=f"simulate a target ({known})")
     explain.add_argument("--problem", nargs="*", default=[], metavar="KEY=VALUE",
                          help="problem facts, e.g. heads=32 next_n=2 (defaults: the V3.2 decode shape)")
-    explain.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no",
-                         help=f"simulate the machine instead of probing it: {', '.join(default_probes())} "
-                              "(facts not named are absent), e.g. --assume gpu=yes triton=yes")
+    explain.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no", help=assume_help)
+    explain.add_argument("--json", type=_writable_json_path, metavar="FILE",
+                         help="write the traces as JSON to FILE ('-': stdout) instead of the text")
     explain.set_defaults(func=cmd_explain)
 
     run = sub.add_parser("run", help="run the default indexer on synthetic decode and prefill batches, verify, time")
@@ -337,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--next-n", type=_positive_int, default=1, help="query tokens per request per step (MTP verify: 2)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-verify", action="store_true", help="skip the check against the reference backend")
-    run.add_argument("--json", type=_writable_json_path, help="also write the report to this file (its folder must "
-                     "exist). Exit codes: 0 verified, 1 top-k mismatch against the reference, 2 usage or runtime "
-                     "error")
+    run.add_argument("--json", type=_writable_json_path, metavar="FILE",
+                     help="also write the report as JSON to this file (its folder must exist; '-': stdout, which "
+                          "then holds the JSON only). Exit codes: 0 verified, 1 top-k mismatch against the "
+                          "reference, 2 usage or runtime error")
     run.set_defaults(func=cmd_run)
 
     bench = sub.add_parser(
@@ -365,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill queries x keys, causal (default 4096x4096 2048x32768 on GPU, 128x1024 on CPU)")
     bench.add_argument("--budget-s", type=_positive_seconds, default=None, metavar="SECONDS",
                        help="start no new item after this many seconds (the rest is listed as skipped)")
-    bench.add_argument("--json", type=lambda t: t if t == "-" else _writable_json_path(t), metavar="FILE",
+    bench.add_argument("--json", type=_writable_json_path, metavar="FILE",
                        help="write the results as JSON to this file ('-': stdout, instead of the table; stdout then "
                             "holds the JSON only)")
     bench.add_argument("--from-json", type=_readable_file, default=None, metavar="FILE",
@@ -380,7 +482,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as the CLI prints them: ``warning: <message>``, without Python's file:line and source line."""
+    return f"warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    saved_format = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = saved_format
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -162,6 +162,8 @@ class Indexer(nn.Module):
         # every op this indexer calls: resolution never depends on ambient state set by someone else.
         self._target_override = target
         self._target: tuple[torch.device, Target] | None = None
+        if isinstance(target, str):
+            default_registry()  # plugins loaded first: an arch a plugin registers is known, not warned about
         fp8 = detect_target(device, target).fp8_dtype
         self.fp8_dtype = fp8
         hd = config.n_heads * config.head_dim
@@ -483,6 +485,9 @@ class Indexer(nn.Module):
         if not isinstance(state, CompressorState):
             raise IndexerInputError(f"compressor_state must be a CompressorState, got {type(state).__name__}")
         if state.device != batch.positions.device:
+        if batch.positions.device != x.device:
+            raise IndexerInputError(f"batch is on {batch.positions.device} but x is on {x.device}: build the batch "
+                                    f"with device={str(x.device)!r}")
             raise IndexerInputError(f"compressor_state is on {state.device} but the batch is on {batch.positions.device}")
         if tuple(state.window.shape[1:]) != (8, 4 * self.config.head_dim):
             raise IndexerInputError(f"compressor_state holds [{', '.join(map(str, state.window.shape[1:]))}] per "

@@ -70,7 +70,8 @@ _PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.
 def _parsed(name: str) -> Target:
     target = _PARSED.get(name)
     if target is None:
-        target = _PARSED[name] = parse_target(name)
+        default_registry()  # plugins loaded first: an arch a plugin registers is known, not warned about
+        target = _PARSED[name] = parse_target(name, "target=")
     return target
 
 
@@ -508,6 +509,25 @@ def _c4_compress_pool_impl(proj: torch.Tensor, state: torch.Tensor, ape: torch.T
 _c4_compress_pool_op = _custom_op("c4_compress_pool", _c4_compress_pool_impl)
 
 
+def _check_request_runs(positions: torch.Tensor, row_request: torch.Tensor, state_slot: torch.Tensor) -> None:
+    """The pooling's precondition: each request's (non-padding) rows are one consecutive run at consecutive
+    positions (the window of a row is read from the rows before it); anything else would pool other tokens."""
+    keep = state_slot >= 0
+    req, pos = row_request[keep].long(), positions[keep].long()
+    if req.numel() < 2:
+        return
+    same = req[1:] == req[:-1]
+    runs = int((~same).sum()) + 1
+    if runs != int(torch.unique(req).numel()):
+        raise v.IndexerInputError("row_request: a request's rows must be consecutive (one run per request), got "
+                                  f"{runs} runs for {int(torch.unique(req).numel())} requests")
+    gaps = same & (pos[1:] != pos[:-1] + 1)
+    if bool(gaps.any()):
+        i = int(gaps.nonzero()[0, 0])
+        raise v.IndexerInputError(f"positions: a request's rows must be at consecutive positions; request "
+                                  f"{int(req[i])} has position {int(pos[i])} then {int(pos[i + 1])}")
+
+
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                      row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, *,
                      target: Target | str | None = None) -> torch.Tensor:
@@ -532,6 +552,8 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     v.in_range("rows", rows, 0, t, "rows of proj")
     v.in_range("state_slot", state_slot, -1, state.shape[0] - 1, "state slots, -1 = padding")
     v.in_range("positions", positions, 0, 1 << 62, "token positions")
+    if t > 1 and v.ranges_checked(positions):
+        _check_request_runs(positions, row_request, state_slot)
     fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_impl
     return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows,
               target=_target_name(target))

@@ -86,7 +86,7 @@ def test_indexer_config_validates_its_fields_by_name(field, value):
 
 
 def test_explain_rejects_an_unknown_assumed_fact(capsys):
-    with pytest.raises(SystemExit, match="unknown fact 'cuda'; known facts: gpu, triton"):
+    with pytest.raises(SystemExit, match="unknown fact 'cuda'; known facts: aiter, cuda_jit, deep_gemm, flashinfer, gpu, torch_npu, triton"):
         main(["explain", "topk_indices", "--assume", "cuda=yes"])
 
 

@@ -28,6 +28,7 @@ from dsa_indexer.backends import npu as npu_backend
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.compressor import CompressorState
 from dsa_indexer.contract.cache import IndexKCache
+from dsa_indexer.contract.validate import IndexerInputError
 from dsa_indexer.dispatch.environment import Environment
 from dsa_indexer.dispatch.plugins import default_registry
 from dsa_indexer.dispatch.registry import NoImplementationError
@@ -139,7 +140,7 @@ def test_allocate_cache_picks_the_npu_layouts():
         IndexKCache.allocate(2, layout="paged32")
     with pytest.raises(ValueError, match="needs fp16 scales"):
         IndexKCache(torch.zeros(2, 64, 1, 128, dtype=torch.int8), layout="paged64_int8")
-    with pytest.raises(TypeError, match="must be a torch.bfloat16 tensor"):
+    with pytest.raises(IndexerInputError, match="must be a torch.bfloat16 tensor"):
         IndexKCache(torch.zeros(2, 64, 1, 128, dtype=torch.float16), layout="paged64_bf16")
 
 

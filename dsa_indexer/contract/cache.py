@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validate import IndexerInputError
+
 PAGE_SIZE = 64
 HEAD_DIM = 128
 SCALE_BYTES = 4
@@ -38,13 +40,14 @@ LAYOUTS = (LAYOUT_PAGED64, *PLAIN_LAYOUT_FORMATS)
 def check_kv_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
     """Raise a clear error unless ``kv_cache`` is the uint8 ``[pages, 64, 1, 132]`` contiguous view."""
     if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(kv_cache).__name__}")
+        raise IndexerInputError(f"{name} must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dtype != torch.uint8:
-        raise TypeError(f"{name} must be uint8 (the 132-byte-per-token paged layout), got {kv_cache.dtype}")
+        raise IndexerInputError(f"{name} must be uint8 (the 132-byte-per-token paged layout), got {kv_cache.dtype}")
     if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (PAGE_SIZE, 1, BYTES_PER_TOKEN):
-        raise ValueError(f"{name} must have shape [num_pages, {PAGE_SIZE}, 1, {BYTES_PER_TOKEN}], got {list(kv_cache.shape)}")
+        raise IndexerInputError(f"{name} must have shape [num_pages, {PAGE_SIZE}, 1, {BYTES_PER_TOKEN}], got "
+                                f"{list(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (pages are {PAGE_BYTES} consecutive bytes)")
+        raise IndexerInputError(f"{name} must be contiguous (pages are {PAGE_BYTES} consecutive bytes)")
 
 
 def check_plain_cache(data: torch.Tensor, scales: torch.Tensor | None, layout: str, name: str = "key_cache") -> None:
@@ -53,17 +56,18 @@ def check_plain_cache(data: torch.Tensor, scales: torch.Tensor | None, layout: s
     dtype = torch.bfloat16 if fmt == "bf16" else torch.int8
     if not isinstance(data, torch.Tensor) or data.dtype != dtype:
         got = data.dtype if isinstance(data, torch.Tensor) else type(data).__name__
-        raise TypeError(f"{name} of layout {layout} must be a {dtype} tensor, got {got}")
+        raise IndexerInputError(f"{name} of layout {layout} must be a {dtype} tensor, got {got}")
     if data.dim() != 4 or tuple(data.shape[1:]) != (PAGE_SIZE, 1, HEAD_DIM) or not data.is_contiguous():
-        raise ValueError(f"{name} of layout {layout} must be a contiguous [num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}] "
-                         f"tensor, got {list(data.shape)}")
+        raise IndexerInputError(f"{name} of layout {layout} must be a contiguous "
+                                f"[num_pages, {PAGE_SIZE}, 1, {HEAD_DIM}] tensor, got {list(data.shape)}")
     if fmt == "int8":
         if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float16 or \
                 tuple(scales.shape) != (data.shape[0], PAGE_SIZE, 1) or scales.device != data.device:
-            raise ValueError(f"{name} of layout {layout} needs fp16 scales [{data.shape[0]}, {PAGE_SIZE}, 1] on "
-                             f"{data.device}, got {None if scales is None else (scales.dtype, list(scales.shape))}")
+            got = None if scales is None else (scales.dtype, list(scales.shape))
+            raise IndexerInputError(f"{name} of layout {layout} needs fp16 scales [{data.shape[0]}, {PAGE_SIZE}, 1] "
+                                    f"on {data.device}, got {got}")
     elif scales is not None and scales.numel():
-        raise ValueError(f"layout {layout} has no key scales: scales must be None or empty")
+        raise IndexerInputError(f"layout {layout} has no key scales: scales must be None or empty")
 
 
 def page_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:

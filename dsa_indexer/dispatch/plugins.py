@@ -62,6 +62,10 @@ def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, 
     before = registry.snapshot_ids()
     try:
         manager.register(plugin, name=name)
+        manager.check_pending()  # a @hookimpl whose name has a typo: PluginValidationError names it
+        if not manager.get_hookcallers(plugin):
+            raise LookupError("it defines no dsa_indexer_register hook (a function of that name decorated with "
+                              "dsa_indexer.dispatch.plugins.hookimpl)")
         others = [p for p in manager.get_plugins() if p is not plugin]
         manager.subset_hook_caller("dsa_indexer_register", remove_plugins=others)(registry=registry)
     except BaseException as exc:  # noqa: BLE001

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..envflags import env_flag
 from .environment import Environment
 from .problem import Problem
-from .target import Target, reload_environment
+from .target import Target, note_registered_archs, reload_environment
 
 FORCE_ENV = "DSA_INDEXER_FORCE"
 STRICT_ENV = "DSA_INDEXER_STRICT"
@@ -100,6 +100,16 @@ class Resolution:
         rejected = "; ".join(f"{c.impl.impl_id}: {c.reason}" for c in self.candidates
                              if c.impl.serves(self.target) and not c.accepted)
         return rejected or f"no accelerated implementation serves target {self.target}"
+
+    def to_dict(self) -> dict:
+        """The resolution as plain data (`dsa-indexer explain --json`, `info --json`)."""
+        return {"op": self.op, "target": str(self.target), "problem": dict(self.problem.items()),
+                "environment": self.environment, "forced": self.forced,
+                "chosen": self.chosen.impl_id if self.chosen else None, "fallback": self.is_fallback,
+                "candidates": [{"impl": c.impl.impl_id, "priority": c.impl.priority, "accepted": c.accepted,
+                                "reason": c.reason} for c in self.candidates],
+                "info": {k: str(v) for k, v in (self.chosen.info.items() if self.chosen else ())},
+                "failed_plugins": list(self.failed_plugins)}
 
     def explain(self) -> str:
         lines = [f"op {self.op} on target {self.target} ({self.target.vendor}), problem {self.problem}",
@@ -183,6 +193,7 @@ class Registry:
                         f"{impl.priority}; give one an explicit different priority"
                     )
             per_op[impl.impl_id] = impl
+            note_registered_archs(t for t in impl.targets if t != "*")
             self._invalidate()
             return impl
 
@@ -220,8 +231,14 @@ class Registry:
 
     # --- overrides ----------------------------------------------------------------------------
     def force(self, op: str, impl_id: str | None) -> None:
-        """Always use ``impl_id`` for ``op`` (``None`` removes the override)."""
+        """Always use ``impl_id`` for ``op`` (``None`` removes the override). Both names are checked now: a typo
+        raises here, naming what is registered, instead of failing at the op's first call."""
         with self._lock:
+            if op not in self._impls:
+                raise ValueError(f"Registry.force: unknown op {op!r}; ops: {', '.join(self.ops())}")
+            if impl_id is not None and impl_id not in self._impls[op]:
+                raise ValueError(f"Registry.force: {impl_id!r} is not registered for {op!r}; registered: "
+                                 f"{', '.join(sorted(self._impls[op]))}")
             if impl_id is None:
                 self._overrides.forced.pop(op, None)
             else:
@@ -253,6 +270,14 @@ class Registry:
     def forced(self) -> dict[str, str]:
         """Every forced op -> implementation: Registry.force, then DSA_INDEXER_FORCE (what `dsa-indexer info` shows)."""
         return {**parse_force(os.environ.get(FORCE_ENV)), **self._overrides.forced}
+
+    def is_strict(self) -> bool:
+        """Whether strict mode is on (`Registry.set_strict`, else ``DSA_INDEXER_STRICT``)."""
+        return self._strict()
+
+    def required_facts(self) -> set[str]:
+        """Every environment fact some registered implementation requires (what `--assume` may name)."""
+        return {fact for per_op in self._impls.values() for impl in per_op.values() for fact in impl.requires}
 
     def _strict(self) -> bool:
         if self._overrides.strict is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.validate import IndexerInputError
 from .platform import platform_of, platforms, vendors
 
 TARGET_ENV = "DSA_INDEXER_TARGET"
@@ -53,18 +54,23 @@ class Target:
         return platform_of(self.vendor).fp8_dtype(self.arch)
 
 
-def parse_target(name: str) -> Target:
+def parse_target(name: str, source: str | None = None) -> Target:
     """Parse a vendor's arch name strictly: each registered platform tries it (``sm90``, ``gfx942:sramecc+``,
-    ``npu:Ascend910B``, ``cpu`` with the built-in ones)."""
+    ``npu:Ascend910B``, ``cpu`` with the built-in ones). ``source`` (where the name came from: ``--target``,
+    ``target=``, the environment variable) is named in the error, and an arch that parses but that nothing lists
+    warns once naming it (`warn_if_unknown_arch`)."""
+    where = f"{source}: " if source else ""
     if not isinstance(name, str):
-        raise TypeError(f"target must be a str such as 'sm90' or 'gfx950', got {type(name).__name__}")
+        raise IndexerInputError(f"{where}target must be a str such as 'sm90' or 'gfx950', got {type(name).__name__}")
     text = name.strip()
     for platform in platforms():
         target = platform.parse(text)
         if target is not None:
+            if source is not None:
+                warn_if_unknown_arch(target, source)
             return target
     accepted = "; ".join(p.names for p in platforms() if p.names)
-    raise ValueError(f"unknown target {name!r}: expected {accepted}")
+    raise IndexerInputError(f"{where}unknown target {name!r}: expected {accepted}")
 
 
 def _device_of(device: torch.device | str | int | None) -> torch.device:
@@ -111,7 +117,7 @@ def detect_target(device: torch.device | str | int | None = None, override: str 
     ``override`` (argument) wins over ``DSA_INDEXER_TARGET`` (environment), which wins over the hardware.
     """
     if override is not None:
-        return override if isinstance(override, Target) else parse_target(override)
+        return override if isinstance(override, Target) else parse_target(override, "target=")
     env = _environment_override()
     if env is not None:
         return env
@@ -127,20 +133,32 @@ def _environment_override() -> Target | None:
     global _env_target
     if _env_target is _UNREAD:
         name = os.environ.get(TARGET_ENV)
-        _env_target = parse_target(name) if name else None
-        if _env_target is not None:
-            warn_if_unknown_arch(_env_target, TARGET_ENV)
+        _env_target = parse_target(name, TARGET_ENV) if name else None
     return _env_target  # type: ignore[return-value]
 
 
-def warn_if_unknown_arch(target: Target, source: str) -> None:
-    """A simulated arch that parses but that no platform lists (``sm91``, ``gfx9500``) is most likely a typo."""
-    known = platform_of(target.vendor).archs
-    if target.arch not in known:
-        import warnings
+_registered_archs: set[str] = set()  # archs that registered implementations name (a plugin's sm103, say)
+_arch_warned: set[tuple[str, str]] = set()
 
-        warnings.warn(f"dsa_indexer: {source} names {target.arch}, which the {target.vendor} platform does not list "
-                      f"({', '.join(known)}); resolving for it anyway", RuntimeWarning, stacklevel=3)
+
+def note_registered_archs(names) -> None:
+    """The registry reports the archs its implementations serve: a plugin that adds one makes it known."""
+    _registered_archs.update(names)
+
+
+def warn_if_unknown_arch(target: Target, source: str) -> None:
+    """A simulated arch that parses but that neither its platform nor any registered implementation lists
+    (``sm91``, ``gfx9500``) is most likely a typo: one warning per arch and source, from every entry point
+    (``--target``, ``Indexer(target=)``, ``ops.*(target=)``, ``DSA_INDEXER_TARGET``)."""
+    known = platform_of(target.vendor).archs
+    if target.arch in known or target.arch in _registered_archs or (target.arch, source) in _arch_warned:
+        return
+    _arch_warned.add((target.arch, source))
+    import warnings
+
+    warnings.warn(f"dsa_indexer: {source} names {target.arch}, which the {target.vendor} platform does not list "
+                  f"({', '.join(known)}) and no registered implementation serves; resolving for it anyway",
+                  RuntimeWarning, stacklevel=3)
 
 
 def reload_environment() -> None:

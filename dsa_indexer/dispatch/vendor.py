@@ -22,6 +22,22 @@ import torch
 
 log = logging.getLogger("dsa_indexer")
 
+LIBRARIES: dict[str, "VendorLibrary"] = {}  # module name -> its probe description, filled as backends define them
+
+
+def importable_from(module: str) -> str | None:
+    """Where ``module`` would be imported from (its file or folder), None when it is not importable. Distribution
+    metadata can disagree (a source build of DeepGEMM has none), so `info` reports this too."""
+    if module in sys.modules:
+        return getattr(sys.modules[module], "__file__", None) or "(loaded)"
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    return spec.origin or ", ".join(spec.submodule_search_locations or []) or "(namespace)"
+
 
 @dataclass
 class VendorLibrary:
@@ -50,6 +66,12 @@ class VendorLibrary:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self.detected: tuple[ModuleType | None, Any] | None = None
+        LIBRARIES[self.module] = self  # `dsa-indexer info` describes what each probed library provides
+
+    def description(self) -> str | None:
+        """What the probe found (the backend's ``describe`` of the detected API), None before a passing probe."""
+        api = self.detected_api()
+        return None if api is None else self.describe(api)
 
     def installed(self) -> bool:
         if self.module in sys.modules:
