@@ -179,6 +179,9 @@ class Compressor(nn.Module):
         # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
         # slot -1 and store nothing, but their position must still index the table: clamp at 0.
         entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
+        if cfg.key_quant == "fp4_e2m1":
+            self._store_fp4(pooled, entry_positions, step.entry_slots[rows], kv_cache, cos_sin, fp8_dtype, target)
+            return
         if isinstance(kv_cache, IndexKCache):
             ops.k_prologue_store_plain(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
                                        kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
@@ -189,3 +192,24 @@ class Compressor(nn.Module):
                              kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
                              interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm",
                              target=target)
+
+    def _store_fp4(self, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
+                   cos_sin: torch.Tensor, fp8_dtype: torch.dtype, target) -> None:
+        """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), RoPE at 4j (the plain prologue op with one
+        "head", bf16 out), Hadamard + e2m1 quant folded into fp8 with one power-of-two scale, stored in the fp8
+        pages (slot -1 stores nothing)."""
+        from . import fp4
+        from .contract.cache import store_rows
+
+        cfg = self.config
+        if isinstance(kv_cache, IndexKCache):
+            raise IndexerInputError(f"key_quant='fp4_e2m1' stores its keys in the fp8 pages (paged64_fp8_e4m3); a "
+                                    f"{kv_cache.layout} cache holds plain keys: allocate the fp8 layout, or use "
+                                    "key_quant 'fp8' with the plain layouts")
+        normed = fp4.normed_key(pooled, self.norm.weight, cfg.norm_eps)
+        unit = torch.ones(normed.shape[0], 1, dtype=torch.float32, device=normed.device)
+        roped = ops.q_prologue_plain(normed[:, None, :], entry_positions, cos_sin, unit, 1.0,
+                                     rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, key_format="bf16",
+                                     target=target)[0][:, 0]
+        keys, scales = fp4.rotate_quant_fp4(roped, cfg.fp4_block, fp8_dtype)
+        store_rows(kv_cache, slots, keys, scales)

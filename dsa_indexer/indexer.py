@@ -171,8 +171,11 @@ class Indexer(nn.Module):
                                 else nn.Linear(config.q_lora_rank, hd, bias=False, device=device, dtype=dtype))
         self.weights_proj = nn.Linear(config.hidden_size, config.n_heads, bias=False, device=device, dtype=dtype)
         if config.compress_ratio == 1:
-            self.wk: nn.Linear | None = nn.Linear(config.hidden_size, config.head_dim, bias=False, device=device,
-                                                  dtype=dtype)
+            # wk as the recipe runs it: block-fp8 (the checkpoint's storage, an fp8 GEMM) or dequantized (bf16 GEMM).
+            self.wk: nn.Module | None = (BlockFp8Linear(config.hidden_size, config.head_dim, device, fp8)
+                                         if config.wk_gemm == "fp8" else
+                                         nn.Linear(config.hidden_size, config.head_dim, bias=False, device=device,
+                                                   dtype=dtype))
             self.k_norm: nn.LayerNorm | None = nn.LayerNorm(config.head_dim, eps=config.norm_eps, device=device,
                                                             dtype=dtype)
         else:
@@ -192,11 +195,30 @@ class Indexer(nn.Module):
         self.steps = STEPS  # the shared steps a pipeline strategy orders (pipeline.PipelineSteps)
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
         self._activation_wq_b: tuple[tuple, torch.Tensor] | None = None
+        self._fp32_weights_proj: tuple[tuple, torch.Tensor] | None = None
 
     # --- weights ------------------------------------------------------------------------------------------
     @property
     def wq_b_is_block_fp8(self) -> bool:
         return isinstance(self.wq_b, BlockFp8Linear)
+
+    @property
+    def wk_is_block_fp8(self) -> bool:
+        return isinstance(self.wk, BlockFp8Linear)
+
+    @property
+    def x_projections_fusable(self) -> bool:
+        """Whether weights_proj and wk can run as one GEMM: both in the activation dtype (a block-fp8 wk or an fp32
+        weights_proj runs its own GEMM)."""
+        return self.wk is not None and not self.wk_is_block_fp8 and self.config.weights_proj_dtype == "bf16"
+
+    def fp32_weights_proj(self) -> torch.Tensor:
+        """weights_proj's weight in fp32 (cached, rebuilt when the weight changes), for ``weights_proj_dtype="fp32"``."""
+        w = self.weights_proj.weight
+        key = (w.data_ptr(), _version_of(w), w.device)
+        if self._fp32_weights_proj is None or self._fp32_weights_proj[0] != key:
+            self._fp32_weights_proj = (key, w.float().contiguous())
+        return self._fp32_weights_proj[1]
 
     @torch.no_grad()
     def init_random(self, seed: int = 0) -> "Indexer":
@@ -216,7 +238,13 @@ class Indexer(nn.Module):
             self.wq_b.weight.copy_(wq)
         self.weights_proj.weight.copy_(rand(cfg.n_heads, cfg.hidden_size, std=cfg.hidden_size ** -0.5))
         if self.wk is not None:
-            self.wk.weight.copy_(rand(cfg.head_dim, cfg.hidden_size, std=cfg.hidden_size ** -0.5))
+            wk = rand(cfg.head_dim, cfg.hidden_size, std=cfg.hidden_size ** -0.5)
+            if self.wk_is_block_fp8:
+                q, s = quantize_block_fp8(wk, self.fp8_dtype)
+                self.wk.weight.copy_(q)
+                self.wk.weight_scale_inv.copy_(s)
+            else:
+                self.wk.weight.copy_(wk)
             self.k_norm.weight.copy_(1 + 0.1 * rand(cfg.head_dim, std=1.0))
             self.k_norm.bias.copy_(0.1 * rand(cfg.head_dim, std=1.0))
         if self.compressor is not None:
@@ -235,7 +263,8 @@ class Indexer(nn.Module):
     def load_checkpoint(self, state: Mapping[str, torch.Tensor], prefix: str = "") -> "Indexer":
         """Load DeepSeek checkpoint tensors (keys ``<prefix>wq_b.weight`` ...). A block scale for ``wq_b`` makes it
         block-fp8: ``wq_b.weight_scale_inv`` (fp32, V3.2 / HF) or ``wq_b.scale`` (UE8M0, V4's inference format).
-        An fp8 ``wk`` with its scale is dequantized (it is tiny). A C4 indexer also loads its compressor
+        An fp8 ``wk`` with its scale stays block-fp8 when ``config.wk_gemm`` is "fp8" (DeepSeek's fp8 GEMM), else it
+        is dequantized once (the bf16 path). A C4 indexer also loads its compressor
         (``compressor.{wkv.weight, wgate.weight, ape, norm.weight}``). Missing or extra keys and shape mismatches
         raise, naming the key."""
         wanted = ["wq_b.weight", "weights_proj.weight"]
@@ -285,12 +314,24 @@ class Indexer(nn.Module):
         put("weights_proj.weight", self.weights_proj.weight, local["weights_proj.weight"])
         if self.wk is not None:
             wk = local["wk.weight"]
-            if "wk.weight_scale_inv" in local:
-                tmp = BlockFp8Linear(cfg.hidden_size, cfg.head_dim, "cpu", wk.dtype)
-                tmp.weight.copy_(wk)
-                tmp.weight_scale_inv.copy_(local["wk.weight_scale_inv"].float())
-                wk = tmp.dequantize()
-            put("wk.weight", self.wk.weight, wk)
+            if self.wk_is_block_fp8:
+                if "wk.weight_scale_inv" not in local:
+                    raise ValueError(f"{prefix}wk.weight is {_dtype_name(wk.dtype)} without a block scale, but the "
+                                     "config's wk_gemm='fp8' runs the block-fp8 wk an fp8 checkpoint stores; build "
+                                     "the config with wk_gemm='bf16' for this checkpoint")
+                scale = local["wk.weight_scale_inv"].float()
+                put("wk.weight_scale_inv", self.wk.weight_scale_inv, scale)
+                if wk.dtype == torch.float8_e4m3fn and self.fp8_dtype == torch.float8_e4m3fnuz:
+                    wk, scale = fn_to_fnuz(wk, scale)
+                    self.wk.weight_scale_inv.copy_(scale)
+                put("wk.weight", self.wk.weight, wk)
+            else:
+                if "wk.weight_scale_inv" in local:
+                    tmp = BlockFp8Linear(cfg.hidden_size, cfg.head_dim, "cpu", wk.dtype)
+                    tmp.weight.copy_(wk)
+                    tmp.weight_scale_inv.copy_(local["wk.weight_scale_inv"].float())
+                    wk = tmp.dequantize()
+                put("wk.weight", self.wk.weight, wk)
             put("k_norm.weight", self.k_norm.weight, local["k_norm.weight"])
             put("k_norm.bias", self.k_norm.bias, local["k_norm.bias"])
         if self.compressor is not None:
@@ -335,9 +376,10 @@ class Indexer(nn.Module):
         return indexer.load_checkpoint(state, prefix)
 
     def x_projection_weight(self) -> torch.Tensor:
-        """``[weights_proj; wk]`` ([H + D, hidden]) when the indexer has its own wk, else weights_proj's weight.
-        Rebuilt when either weight is replaced or written in place (keyed by storage and version counter)."""
-        if self.wk is None:
+        """``[weights_proj; wk]`` ([H + D, hidden]) when the two can run as one GEMM (`x_projections_fusable`),
+        else weights_proj's weight. Rebuilt when either weight is replaced or written in place (keyed by storage and
+        version counter)."""
+        if not self.x_projections_fusable:
             return self.weights_proj.weight
         parts = (self.weights_proj.weight, self.wk.weight)
         key = tuple((p.data_ptr(), _version_of(p), p.dtype, p.device) for p in parts)
@@ -668,5 +710,8 @@ class Indexer(nn.Module):
         return indices_to_slots(indices, batch.block_table, batch.row_request)
 
     def extra_repr(self) -> str:
-        return f"{self.config.name}, wq_b={'block-fp8' if self.wq_b_is_block_fp8 else 'bf16'}"
+        return (f"{self.config.name}, wq_b={'block-fp8' if self.wq_b_is_block_fp8 else 'bf16'}"
+                + (f", wk={'block-fp8' if self.wk_is_block_fp8 else 'bf16'}" if self.wk is not None else "")
+                + f", weights_proj={self.config.weights_proj_dtype}, scale_fmt={self.config.scale_fmt}"
+                + f", key_quant={self.config.key_quant}")
 

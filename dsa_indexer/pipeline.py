@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import fp4, ops
 from .compressor import CompressionStep
 from .contract.cache import LAYOUT_PAGED64, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
@@ -60,13 +60,34 @@ def project_q(indexer: "Indexer", q_lora: torch.Tensor, q_lora_quant: QuantizedA
 
 def project_x(indexer: "Indexer", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weights_proj(x) [T, H], wk(x) [T, D] or None)``: one GEMM over the concatenated weight
-    (`Indexer.x_projection_weight`) when the indexer has both, so a decode step launches one skinny GEMM (and
-    its split-K reduce) instead of two. Both results are column views of that GEMM's output."""
-    out = F.linear(x, indexer.x_projection_weight())
-    heads = indexer.config.n_heads
-    if out.shape[1] == heads:
-        return out, None
-    return out[:, :heads], out[:, heads:]
+    (`Indexer.x_projection_weight`) when the two are fusable (both in the activation dtype), so a decode step
+    launches one skinny GEMM (and its split-K reduce) instead of two; both results are then column views of that
+    GEMM's output. A block-fp8 wk or an fp32 weights_proj runs its own GEMM (`project_head_weights`, `project_k`)."""
+    if indexer.x_projections_fusable:
+        out = F.linear(x, indexer.x_projection_weight())
+        heads = indexer.config.n_heads
+        return out[:, :heads], out[:, heads:]
+    return project_head_weights(indexer, x), project_k(indexer, x) if indexer.wk is not None else None
+
+
+def project_head_weights(indexer: "Indexer", x: torch.Tensor) -> torch.Tensor:
+    """``weights_proj(x)`` [T, H] in the recipe's precision: fp32 (``weights_proj_dtype="fp32"``, as V3.2's code
+    runs it: no bf16 rounding of the head weights) or the activation dtype."""
+    if indexer.config.weights_proj_dtype == "fp32":
+        return F.linear(x.float(), indexer.fp32_weights_proj())
+    return F.linear(x, indexer.weights_proj.weight)
+
+
+def project_k(indexer: "Indexer", x: torch.Tensor) -> torch.Tensor:
+    """``wk(x)`` [T, D]: a bf16 GEMM, or for a block-fp8 wk (``wk_gemm="fp8"``) the fp8 GEMM DeepSeek runs, with x
+    quantized per 128 in the recipe's scale format (``scale_fmt``)."""
+    wk = indexer.wk
+    if not indexer.wk_is_block_fp8:
+        return F.linear(x, wk.weight)
+    wanted = indexer.gemm_input_layout(x, wk.weight)
+    x_fp8, x_scales = ops.quant_fp8_groups(x, wanted.group_size, ue8m0=wanted.ue8m0, fp8_dtype=wanted.fp8_dtype,
+                                           target=indexer.target)
+    return ops.gemm_fp8_blockscale(x_fp8, x_scales, wk.weight, wk.weight_scale_inv, x.dtype, target=indexer.target)
 
 
 def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
@@ -76,11 +97,25 @@ def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions:
     has it (`project_x`)."""
     cfg = indexer.config
     if head_weights is None:
-        head_weights = F.linear(x, indexer.weights_proj.weight)
+        head_weights = project_head_weights(indexer, x)
     q = project_q(indexer, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
+    if cfg.key_quant == "fp4_e2m1":
+        return q_prologue_fp4(indexer, q, positions, head_weights)
     return ops.q_prologue(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, rope_offset=cfg.rope_offset,
                           interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype,
                           target=indexer.target)
+
+
+def q_prologue_fp4(indexer: "Indexer", q: torch.Tensor, positions: torch.Tensor, head_weights: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's FP4 q (`dsa_indexer.fp4`): RoPE (the plain prologue op: bf16 out, as DeepSeek's in-place RoPE), then the
+    Hadamard and the e2m1 quant folded into fp8; the row scale joins the head weights like the fp8 q scale."""
+    cfg = indexer.config
+    roped, _, weights = ops.q_prologue_plain(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale,
+                                             rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved,
+                                             key_format="bf16", target=indexer.target)
+    q_fp8, row_scale = fp4.rotate_quant_fp4(roped, cfg.fp4_block, indexer.fp8_dtype)
+    return q_fp8, weights * row_scale
 
 
 def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
@@ -97,7 +132,7 @@ def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
         return
     slot_mapping = key_store
     if k is None:
-        k = F.linear(x, indexer.wk.weight)
+        k = project_k(indexer, x)
     norm_w = indexer.k_norm.weight if indexer.k_norm is not None else None
     norm_b = indexer.k_norm.bias if indexer.k_norm is not None else None
     ops.k_prologue_store(k, norm_w, norm_b, cfg.norm_eps, positions, indexer.cos_sin, kv_cache, slot_mapping,
@@ -129,7 +164,7 @@ def q_path_plain(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, posi
     if q_lora_quant is not None:
         indexer.note_reuse(False, PLAIN_QUANT_DROPPED)
     if head_weights is None:
-        head_weights = F.linear(x, indexer.weights_proj.weight)
+        head_weights = project_head_weights(indexer, x)
     q = F.linear(q_lora, indexer.activation_wq_b()).view(-1, cfg.n_heads, cfg.head_dim)
     return ops.q_prologue_plain(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, key_format=key_format,
                                 rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, target=indexer.target)
@@ -147,7 +182,7 @@ def k_path_plain(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
         return
     cfg = indexer.config
     if k is None:
-        k = F.linear(x, indexer.wk.weight)
+        k = project_k(indexer, x)
     ops.k_prologue_store_plain(k, indexer.k_norm.weight, indexer.k_norm.bias, cfg.norm_eps, positions, indexer.cos_sin,
                                cache.data, cache.scales_or_empty(), key_store, key_format=cache.key_format,
                                rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, norm=cfg.k_norm,
@@ -169,6 +204,9 @@ class PipelineSteps:
     reorder them without importing the model layer."""
 
     project_x = staticmethod(project_x)
+    project_head_weights = staticmethod(project_head_weights)
+    project_k = staticmethod(project_k)
+    q_prologue_fp4 = staticmethod(q_prologue_fp4)
     q_path = staticmethod(q_path)
     k_path = staticmethod(k_path)
     single_stream = staticmethod(single_stream)

@@ -1,0 +1,44 @@
+"""DeepSeek-V4's FP4 indexer recipe (``IndexerConfig.key_quant="fp4_e2m1"``): q and the compressed keys are rotated
+by the Hadamard, quantized to e2m1 in blocks of 32 with power-of-two scales, and scored as the dequantized values.
+
+How it runs here: an FP4 row of 128 (four blocks, four power-of-two scales) is folded exactly into fp8 e4m3 with one
+power-of-two scale (`fold_fp4_to_fp8`), so the keys live in the ``paged64_fp8_e4m3`` cache and every fp8 logits and
+top-k implementation (DeepGEMM, Triton, aiter, the reference) scores FP4 values unchanged; the q row scale folds
+into the head weights as the fp8 one does. Scores are then fp32 sums of exact products (DeepSeek's code rounds the
+einsum to bf16, which only moves near-ties). Numerics follow DeepSeek's code point by point: RoPE'd q rounded to
+bf16, the Hadamard's output rounded to bf16, then the FP4 quant (see `quant_fp4_e2m1` for the rounding).
+
+The quant is written as torch tensor ops (elementwise + one 128 x 128 matmul), so it runs on any device; it is not a
+registry op yet (docs/v4.md says what a dedicated kernel would add).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.reference.kernels import (dequant_fp4_e2m1, fold_fp4_to_fp8, hadamard_matrix, quant_fp4_e2m1,
+                                         rmsnorm)
+
+__all__ = ["rotate_quant_fp4", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1", "fold_fp4_to_fp8",
+           "normed_key"]
+
+
+def fp4_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """``x`` [..., D] after DeepSeek's FP4 simulation (quantize, dequantize): fp32, exact in bf16."""
+    return dequant_fp4_e2m1(*quant_fp4_e2m1(x, block))
+
+
+def rotate_quant_fp4(x: torch.Tensor, block: int = 32, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hadamard (orthonormal, along the last dim; output rounded to bf16 as DeepSeek's ``rotate_activation``), FP4
+    e2m1 quant per ``block``, folded into fp8: ``(fp8 like x, row scale [...] fp32)``."""
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dim {x.shape[-1]} must be a multiple of the FP4 block {block}")
+    rotated = (x.float() @ hadamard_matrix(x.shape[-1], x.device)).to(torch.bfloat16)
+    values, scales = quant_fp4_e2m1(rotated, block)
+    return fold_fp4_to_fp8(values, scales, fp8_dtype)
+
+
+def normed_key(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The compressor's RMSNorm of pooled entries [E, D], fp32 math, bf16 out (DeepSeek's ``RMSNorm``)."""
+    return rmsnorm(pooled, norm_weight, eps).to(torch.bfloat16)
