@@ -527,9 +527,6 @@ class Indexer(nn.Module):
         if not isinstance(state, CompressorState):
             raise IndexerInputError(f"compressor_state must be a CompressorState, got {type(state).__name__}")
         if state.device != batch.positions.device:
-        if batch.positions.device != x.device:
-            raise IndexerInputError(f"batch is on {batch.positions.device} but x is on {x.device}: build the batch "
-                                    f"with device={str(x.device)!r}")
             raise IndexerInputError(f"compressor_state is on {state.device} but the batch is on {batch.positions.device}")
         if tuple(state.window.shape[1:]) != (8, 4 * self.config.head_dim):
             raise IndexerInputError(f"compressor_state holds [{', '.join(map(str, state.window.shape[1:]))}] per "
