@@ -83,6 +83,31 @@ E8M0_DTYPES = tuple(d for d in (getattr(torch, "float8_e8m0fnu", None), torch.ui
 SCALED_WEIGHTS = {"wq_b.weight": ("wq_b.weight_scale_inv", "wq_b.scale"), "wk.weight": ("wk.weight_scale_inv",)}
 
 
+# transformers' DeepseekV4 module names under ``model.layers.{L}.self_attn.compressor.indexer.`` -> the names of
+# DeepSeek's inference checkpoint (what `Indexer.load_checkpoint` reads). Read from transformers 5.23's
+# modeling_deepseek_v4.py (DeepseekV4Indexer / DeepseekV4IndexerScorer) and its conversion mapping.
+HF_V4_INDEXER_NAMES = {
+    "q_b_proj.weight": "wq_b.weight", "q_b_proj.weight_scale_inv": "wq_b.weight_scale_inv",
+    "q_b_proj.scale": "wq_b.scale", "scorer.weights_proj.weight": "weights_proj.weight",
+    "kv_proj.weight": "compressor.wkv.weight", "gate_proj.weight": "compressor.wgate.weight",
+    "position_bias": "compressor.ape", "kv_norm.weight": "compressor.norm.weight",
+}
+HF_V4_PREFIX = "model.layers.{layer}.self_attn.compressor.indexer."
+
+
+def checkpoint_schemes(config: IndexerConfig, layer: int) -> list[tuple[str, dict[str, str]]]:
+    """The (key prefix, name map) pairs a checkpoint of ``config``'s model may use for ``layer``'s indexer: the
+    config's own prefix, the same under a leading ``model.`` (what ``save_pretrained`` writes for V4's inference
+    names), and for a C4 indexer transformers' V4 module names (`HF_V4_INDEXER_NAMES`)."""
+    own = config.checkpoint_prefix.format(layer=layer)
+    schemes = [(own, {})]
+    if not own.startswith("model."):
+        schemes.append(("model." + own, {}))
+    if config.compress_ratio == 4:
+        schemes.append((HF_V4_PREFIX.format(layer=layer), HF_V4_INDEXER_NAMES))
+    return schemes
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -345,35 +370,45 @@ class Indexer(nn.Module):
                          ) -> "Indexer":
         """Build the indexer of ``layer`` from a safetensors file (or a folder of them) of a DeepSeek checkpoint.
 
-        Keys are read under ``config.checkpoint_prefix``: ``model.layers.{L}.self_attn.indexer.`` (V3.2, HF names)
-        or ``layers.{L}.attn.indexer.`` (V4's inference names). Without ``config`` the model is recognized by which
-        prefix the file holds (V3.2 or V4-Flash sizes)."""
+        Key naming schemes read (`checkpoint_schemes`): V3.2's HF names ``model.layers.{L}.self_attn.indexer.*``;
+        V4's inference names ``layers.{L}.attn.indexer.*``, also under the ``model.`` prefix that transformers'
+        ``save_pretrained`` writes; and transformers' own V4 module names
+        ``model.layers.{L}.self_attn.compressor.indexer.{q_b_proj, scorer.weights_proj, kv_proj, gate_proj,
+        position_bias, kv_norm}``, mapped to the inference names. Without ``config`` the model is recognized by
+        which scheme the file holds (V3.2 or V4-Flash sizes); a ``config.json`` beside the file (HF format) is read
+        with `IndexerConfig.from_hf_config` when present."""
         from safetensors import safe_open
 
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
             raise FileNotFoundError(f"no safetensors file at {path}")
+        if config is None:
+            config_json = (path if path.is_dir() else path.parent) / "config.json"
+            if config_json.is_file():
+                config = IndexerConfig.from_hf_config(config_json)
         candidates = [config] if config is not None else [IndexerConfig.deepseek_v32(),
                                                           IndexerConfig.deepseek_v4_flash()]
-        prefixes = [c.checkpoint_prefix.format(layer=layer) for c in candidates]
+        schemes = [(c, prefix, names) for c in candidates for prefix, names in checkpoint_schemes(c, layer)]
         state: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():
-                    if key.startswith(tuple(prefixes)):
+                    if key.startswith(tuple(prefix for _, prefix, _ in schemes)):
                         state[key] = handle.get_tensor(key)
-        found = [c for c, p in zip(candidates, prefixes) if any(k.startswith(p) for k in state)]
+        found = [(c, prefix, names) for c, prefix, names in schemes if any(k.startswith(prefix) for k in state)]
         if not found:
-            raise KeyError(f"no tensors under {' or '.join(map(repr, prefixes))} in {path}")
+            raise KeyError(f"no tensors under {' or '.join(repr(p) for _, p, _ in schemes)} in {path}")
         if len(found) > 1:
-            raise KeyError(f"{path} holds tensors under both {prefixes[0]!r} and {prefixes[1]!r}; pass config=")
-        config = found[0]
-        prefix = config.checkpoint_prefix.format(layer=layer)
-        state = {k: v for k, v in state.items() if k.startswith(prefix)}
-        block_fp8 = f"{prefix}wq_b.weight_scale_inv" in state or f"{prefix}wq_b.scale" in state
+            raise KeyError(f"{path} holds tensors under {' and '.join(repr(p) for _, p, _ in found)}; pass config= "
+                           "(and keep one naming scheme per file)")
+        config, prefix, names = found[0]
+        # Errors name the file's keys: the prefix is kept, and a renamed key is read under its inference name.
+        local = {prefix + names.get(key[len(prefix):], key[len(prefix):]): value
+                 for key, value in state.items() if key.startswith(prefix)}
+        block_fp8 = f"{prefix}wq_b.weight_scale_inv" in local or f"{prefix}wq_b.scale" in local
         indexer = cls(config, wq_b_fp8=block_fp8, **kwargs)
-        return indexer.load_checkpoint(state, prefix)
+        return indexer.load_checkpoint(local, prefix)
 
     def x_projection_weight(self) -> torch.Tensor:
         """``[weights_proj; wk]`` ([H + D, hidden]) when the two can run as one GEMM (`x_projections_fusable`),
