@@ -25,8 +25,8 @@ slowest or more (a busy CPU) is flagged ``UNSTABLE`` in the table and ``unstable
 Output: a table, ``--json FILE`` (``-`` for stdout: then stdout holds the JSON only), and PNG plots with
 ``--plots DIR`` (matplotlib: the ``bench`` extra): latency vs context per implementation, bandwidth as a
 percentage of the measured copy bandwidth, the pipeline strategies accepted here (with and without q_lora reuse),
-top-k speedup over torch.topk, and prefill latency. Progress goes to stderr: a rich or tqdm bar on a terminal when one is installed,
-else one line per measured item.
+top-k speedup over torch.topk, and prefill latency. Progress goes to stderr: a rich or tqdm bar on a terminal when
+one is installed, else one line per measured item.
 """
 
 from __future__ import annotations

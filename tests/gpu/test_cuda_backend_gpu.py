@@ -16,6 +16,7 @@ import torch
 
 from dsa_indexer import DecodeBatch, Environment, IndexKCache, Indexer, IndexerConfig, Problem, default_registry, ops
 from dsa_indexer.backends.cuda import deepgemm as dg_adapt
+from dsa_indexer.backends.cuda import deepgemm_api as dg_api
 from dsa_indexer.backends.cuda import dual_stream
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.contract.cache import PAGE_SIZE
@@ -127,7 +128,7 @@ def _require_deep_gemm():
     try:
         import deep_gemm  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"deep_gemm does not import ({type(exc).__name__}: {exc}); build it with .deps/build_deepgemm.sh")
+        pytest.skip(f"deep_gemm does not import ({type(exc).__name__}: {exc}); {dg_api.INSTALL_HINT}")
     reason = default_registry().environment.missing("deep_gemm")
     if reason is not None:
         pytest.fail(f"deep_gemm imports but the backend's probe rejects it: {reason}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -18,7 +19,15 @@ RAGGED_NEW, RAGGED_LEGACY = "fp8_fp4_mqa_logits", "fp8_mqa_logits"
 GEMM_NAMES = ("fp8_fp4_gemm_nt", "fp8_gemm_nt", "gemm_fp8_fp8_bf16_nt")
 METADATA = "get_paged_mqa_logits_metadata"
 SM90_RECIPE = (1, 128, 128)  # per-token groups of 128 for a, 128x128 blocks for b
-INSTALL_HINT = "build upstream DeepGEMM (bash .deps/build_deepgemm.sh) or pip install sgl-deep-gemm"
+INSTALL_HINT = ("pip install sgl-deep-gemm (a build made against this torch version), or install DeepGEMM by its "
+                "own instructions: https://github.com/deepseek-ai/DeepGEMM (README, installation)")
+JIT_CACHE_ENV = "DG_JIT_CACHE_DIR"  # DeepGEMM's own knob: where its JIT keeps the kernels it compiled
+
+
+def jit_cache_dir() -> str:
+    """The folder DeepGEMM's JIT compiles into on first use of each kernel shape (``$DG_JIT_CACHE_DIR``, default
+    ``~/.deep_gemm``)."""
+    return os.environ.get(JIT_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".deep_gemm")
 
 
 # ----------------------------------------------------------------------------------------------------------------

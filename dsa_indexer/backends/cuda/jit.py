@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 CACHE_ENV = "DSA_INDEXER_CACHE_DIR"
@@ -31,6 +32,8 @@ BUILD_TIMEOUT_S = 600
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ctypes.CDLL] = {}
+# What this process compiled ({"source", "seconds", "path"}), in order: `dsa-indexer run` names first-use builds.
+BUILDS: list[dict] = []
 
 
 class CudaBuildError(RuntimeError):
@@ -90,6 +93,7 @@ def build(source: str, capability: tuple[int, int]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.{threading.get_ident()}.tmp.so")
     cmd = [nvcc, *flags, "-o", str(tmp), str(src)]
+    started = time.perf_counter()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -99,6 +103,7 @@ def build(source: str, capability: tuple[int, int]) -> Path:
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-12:])
         raise CudaBuildError(f"nvcc failed (exit {done.returncode}) building {source}:\n{tail}")
     os.replace(tmp, out)
+    BUILDS.append({"source": source, "seconds": time.perf_counter() - started, "path": str(out)})
     return out
 
 
