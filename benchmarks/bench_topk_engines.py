@@ -13,7 +13,9 @@ exactly: the multiset of the logits it selects (NaN-free here) must equal torch.
 must be distinct and in range.
 
 --engines PATH.py: a file (kept outside the repository: engine code and bindings are never committed) defining
-``engines() -> dict[name, callable(logits, k, ends) -> int indices [B, >= k]]``; each is timed like ours.
+``engines() -> dict[name, callable(logits, k, ends) -> int indices [B, >= k]]``; each is timed like ours. The file
+may define ``VERSIONS`` (what was built, from which release), recorded in the JSON, and ``engines.path_seen``
+(``{(B, width): the kernel an engine's own dispatch took}``), recorded per cell.
 Writes DIR/topk_engines.json with the command, versions and the grid.
 """
 
@@ -100,12 +102,13 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     began = time.perf_counter()
     assert cuda_topk.probe() is None, cuda_topk.probe()
-    engines = {}
+    engines, engine_module = {}, None
     if args.engines:
         spec = importlib.util.spec_from_file_location("topk_engines_binding", args.engines)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         engines = module.engines()
+        engine_module = module
     timer = Timer(device, args.repeats)
     logits_for = real_logits(max(args.batches), max(args.contexts), device)
     print(f"logits ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
@@ -132,6 +135,9 @@ def main(argv=None) -> int:
                     if cluster <= cuda_topk.REGISTERS_MAX_CLUSTER and alt != planned:
                         impls[f"cuda.radix {alt.kernel} x{alt.cluster} keys{alt.per_cta}"] = (
                             lambda alt=alt: cuda_topk.run_plan(logits, K, ends, None, None, None, alt))
+                if planned != cuda_topk.Plan("stream", 1, 0) and ctx <= cuda_topk.STREAM_MAX_COLS:
+                    impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(
+                        logits, K, ends, None, None, None, cuda_topk.Plan("stream", 1, 0))
                 shared = cuda_topk.plan(batch, ctx, sms, 4)
                 if shared is not None:
                     alt = cuda_topk.Plan("shared", *shared)
@@ -150,6 +156,9 @@ def main(argv=None) -> int:
                     cell.setdefault("timing", {})[name] = timer.mode
                 except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
                     cell.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            seen = getattr(getattr(engine_module, "engines", None), "path_seen", {})
+            if (batch, ctx) in seen:
+                cell["engine_dispatch"] = seen[(batch, ctx)]
             rows.append(cell)
             times = cell["times_us"]
             print(f"B={batch:4d} ctx={ctx:7d} " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())
@@ -165,6 +174,8 @@ def main(argv=None) -> int:
               "timing": "CUDA-graph replay, CUDA events, 256 MiB L2 flush before each, median of --repeats",
               "logits": "real V3.2 decode logits (k path keys, q path query, registry paged logits)",
               "rows": rows}
+    if engine_module is not None:
+        report["engine_versions"] = getattr(engine_module, "VERSIONS", None)
     (out / "topk_engines.json").write_text(json.dumps(report, indent=1))
     return 0
 
