@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsa_indexer.dispatch import Environment, Problem, Registry, Target, hookimpl, load_plugins
-from dsa_indexer.dispatch import plugins as plugin_module
+from dsa_indexer.dispatch import discovery
 
 
 def _example_entry_point():
@@ -56,7 +56,7 @@ def _fake_entry_points(monkeypatch, entries):
             return [metadata.EntryPoint(name, value, group) for name, value in entries]
         return real(group=group, **kw)
 
-    monkeypatch.setattr(plugin_module.metadata, "entry_points", fake)
+    monkeypatch.setattr(discovery.metadata, "entry_points", fake)  # the one discovery path reads entry points
 
 
 def test_broken_plugins_are_reported_not_fatal(monkeypatch):
@@ -97,13 +97,10 @@ def test_allow_list_and_autoload_switch(monkeypatch):
     assert failure.startswith("someone_else: named in DSA_INDEXER_PLUGINS but no such entry point is installed")
 
 
-def test_a_plugin_raising_systemexit_at_import_is_contained(monkeypatch):
+def test_a_plugin_raising_systemexit_at_import_is_contained(monkeypatch, tmp_path):
+    (tmp_path / "dsa_test_exits_at_import.py").write_text('raise SystemExit("rocminfo not found")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
     _fake_entry_points(monkeypatch, [("exits", "dsa_test_exits_at_import")])
-
-    def load(self):  # what importing such a module does
-        raise SystemExit("rocminfo not found")
-
-    monkeypatch.setattr(metadata.EntryPoint, "load", load)
     reg = Registry(environment=Environment.simulated())
     load_plugins(reg)
     assert any(f.startswith("exits (dsa_test_exits_at_import): import failed: SystemExit: rocminfo not found")
@@ -145,7 +142,7 @@ def test_a_new_vendor_is_one_folder_a_platform_and_a_backend(monkeypatch):
     register_platform(PLATFORM)
     try:
         target = parse_target("acme1")
-        assert target.vendor == "acme" and target.is_gpu
+        assert target.vendor == "acme" and target.is_accelerator
         assert parse_target("acme2").fp8_dtype == torch.float8_e4m3fnuz
         reg = Registry(environment=Environment.simulated(gpu=True))
         load_plugins(reg, builtins=("dsa_indexer.backends.reference", "dsa_indexer_acme"), entry_points=False)

@@ -207,10 +207,6 @@ class IndexKCache:
     def device(self) -> torch.device:
         return self.data.device
 
-    def kernel_view(self) -> torch.Tensor:
-        """The uint8 ``[num_pages, 64, 1, 132]`` tensor that kernels take."""
-        return self.data
-
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_plain:
             raise ValueError(f"gather reads the {LAYOUT_PAGED64} layout; a {self.layout} cache is read in place by "

@@ -18,7 +18,8 @@ from typing import Callable, Mapping
 
 import torch
 
-Probe = Callable[[], "str | None"]
+from .platform import Probe, platforms, vendor_libraries, vendor_probes
+
 
 
 def module_probe(module: str, hint: str) -> Probe:
@@ -35,8 +36,6 @@ def module_probe(module: str, hint: str) -> Probe:
 
 
 def _gpu_probe() -> str | None:
-    from .platform import platforms
-
     for platform in platforms():
         if platform.is_accelerator and platform.device_visible():
             return None
@@ -60,8 +59,6 @@ BUILTIN_PROBES: dict[str, Probe] = {
 
 def default_probes() -> dict[str, Probe]:
     """The portable facts plus every registered platform's (its vendor libraries, its devices)."""
-    from .platform import vendor_probes
-
     return {**BUILTIN_PROBES, **vendor_probes()}
 
 
@@ -89,8 +86,6 @@ class Environment:
     def __init__(self, probes: Mapping[str, Probe] | None = None, facts: Mapping[str, str | None] | None = None,
                  name: str = "detected", libraries: Mapping[str, str] | None = None) -> None:
         if libraries is None and probes is None:
-            from .platform import vendor_libraries
-
             libraries = vendor_libraries()
         self._libraries = dict(libraries or {})
         self._probes = dict(default_probes() if probes is None else probes)

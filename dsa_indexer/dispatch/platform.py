@@ -2,25 +2,24 @@
 
 A `Platform` says how its arch names parse, how a torch device of its kind is recognized, which fp8 flavour each arch
 takes, and which environment facts its libraries and devices add (the probes). Dispatch only loops over the
-registered platforms: it names no vendor library and no backend module. The built-in platforms are the
-``platform`` modules of the packages `dsa_indexer.backends` lists; a third-party vendor adds its own through the
-entry-point group ``dsa_indexer.platforms`` (or `register_platform`), so a new vendor is a folder plus an entry point
-and a new arch is a line in its platform.
+registered platforms: it names no vendor library and no backend module. Every platform, built-in or third-party,
+is an entry point of the group ``dsa_indexer.platforms`` (`discovery`; the built-in ones are declared in
+pyproject.toml), or is added by `register_platform`, so a new vendor is a folder plus an entry point and a new arch
+is a line in its platform. (``Target`` in the annotations below is `dispatch.target.Target`, which imports this
+module.)
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass, field
-from importlib import metadata
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
-if TYPE_CHECKING:
-    from .environment import Probe
-    from .target import Target
+from . import discovery
+
+Probe = Callable[[], "str | None"]  # an environment fact's probe: None when the fact holds, else the reason
 
 PLATFORM_ENTRY_POINT_GROUP = "dsa_indexer.platforms"
 
@@ -60,21 +59,28 @@ _loaded = False
 load_errors: list[str] = []
 
 
+_on_change: list[Callable[[], None]] = []  # listeners (the target module's cached detection)
+
+
+def on_platforms_changed(listener: Callable[[], None]) -> None:
+    """Call ``listener`` whenever a platform is registered or removed (so `target` forgets cached detections
+    without this module importing it)."""
+    _on_change.append(listener)
+
+
 def register_platform(platform: Platform) -> None:
     """Add (or replace) the platform of ``platform.vendor``; clears the cached hardware detection."""
     with _lock:
         _PLATFORMS[platform.vendor] = platform
-    from . import target
-
-    target.forget_detection()
+    for listener in _on_change:
+        listener()
 
 
 def unregister_platform(vendor: str) -> None:
     with _lock:
         _PLATFORMS.pop(vendor, None)
-    from . import target
-
-    target.forget_detection()
+    for listener in _on_change:
+        listener()
 
 
 def _load() -> None:
@@ -86,18 +92,7 @@ def _load() -> None:
         if _loaded:
             return
         _loaded = True
-        from .. import backends
-
-        for package in backends.BUILTIN_PACKAGES:
-            try:
-                module = importlib.import_module(f"{package}.platform")
-            except ModuleNotFoundError:
-                continue  # a backend without hardware of its own (reference, triton)
-            except Exception as exc:  # noqa: BLE001
-                load_errors.append(f"{package}.platform: import failed: {type(exc).__name__}: {exc}")
-                continue
-            register_platform(module.PLATFORM)
-        for entry in metadata.entry_points(group=PLATFORM_ENTRY_POINT_GROUP):
+        for entry in discovery.entries(PLATFORM_ENTRY_POINT_GROUP):  # built-in ones first, then third-party
             try:
                 register_platform(entry.load())
             except Exception as exc:  # noqa: BLE001

@@ -1,8 +1,8 @@
 """Backends arrive as pluggy plugins with one hook, ``dsa_indexer_register(registry)``.
 
 Every backend, built-in or third-party, is an entry point of the group ``dsa_indexer.backends`` (the built-in ones
-are declared in pyproject.toml) and registers through the same hook. The built-ins are those `dsa_indexer.backends`
-lists (so a source tree that is not pip-installed still finds them); they load first, in that order. A plugin that fails to import or to register is recorded
+are declared in pyproject.toml, read from the source tree when it is there: `discovery`) and registers through the
+same hook; the built-ins load first, in pyproject order. A plugin that fails to import or to register is recorded
 (``registry.plugins_failed``, shown by `dsa-indexer info` and in "no implementation" errors) and whatever
 it registered before failing is rolled back; the host never crashes because of a plugin.
 
@@ -13,15 +13,14 @@ Environment:
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
-from importlib import metadata
 from typing import Any
 
 import pluggy
 
 from ..envflags import env_flag
+from . import discovery
 from .registry import Registry
 
 PROJECT = "dsa_indexer"
@@ -42,9 +41,8 @@ def known_ops() -> tuple[str, ...]:
 
 
 def builtin_backends() -> tuple[str, ...]:
-    from .. import backends
-
-    return tuple(backends.BUILTIN_PACKAGES)
+    """The built-in backend packages (this distribution's ``dsa_indexer.backends`` entry points), in order."""
+    return tuple(entry.value for entry in discovery.builtin_entries(ENTRY_POINT_GROUP))
 
 
 class BackendSpec:
@@ -93,42 +91,36 @@ def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, 
 
 def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
                  entry_points: bool | None = None) -> pluggy.PluginManager:
-    """Register the built-in backends, then the other installed entry points, into ``registry``."""
-    builtins = builtin_backends() if builtins is None else builtins
+    """Register the built-in backends, then the other installed entry points, into ``registry``: one discovery
+    path (`discovery.entries`) for both. ``builtins`` (module names) replaces the built-in entries (tests)."""
     manager = pluggy.PluginManager(PROJECT)
     manager.add_hookspecs(BackendSpec)
-    for module_name in builtins:
-        try:
-            module = importlib.import_module(module_name)
-        except BaseException as exc:  # noqa: BLE001
-            if not _contained(exc):
-                raise
-            registry.plugins_failed.append(f"{module_name}: import failed: {type(exc).__name__}: {exc}")
-            continue
-        _register_one(registry, manager, module_name.rsplit(".", 1)[-1], module)
+    if builtins is None:
+        builtin = discovery.builtin_entries(ENTRY_POINT_GROUP)
+    else:
+        builtin = [discovery.Entry(name.rsplit(".", 1)[-1], name, builtin=True) for name in builtins]
     if entry_points is None:
         entry_points = not env_flag(AUTOLOAD_ENV)
-    if not entry_points:
-        return manager
     allowed = {n.strip() for n in os.environ.get(ALLOW_ENV, "").split(",") if n.strip()}
-    seen: set[str] = set()
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        seen.add(entry.name)
-        if entry.value in builtin_backends():
-            continue  # a built-in, loaded above
-        if allowed and entry.name not in allowed:
+    third_party = discovery.third_party_entries(ENTRY_POINT_GROUP) if entry_points else []
+    builtin_values = {entry.value for entry in builtin}
+    seen = {entry.name for entry in third_party}
+    for entry in builtin + third_party:
+        if not entry.builtin and (entry.value in builtin_values or (allowed and entry.name not in allowed)):
             continue
         try:
             plugin = entry.load()
         except BaseException as exc:  # noqa: BLE001
             if not _contained(exc):
                 raise
-            registry.plugins_failed.append(f"{entry.name} ({entry.value}): import failed: {type(exc).__name__}: {exc}")
+            where = entry.value if entry.builtin else f"{entry.name} ({entry.value})"
+            registry.plugins_failed.append(f"{where}: import failed: {type(exc).__name__}: {exc}")
             continue
         _register_one(registry, manager, entry.name, plugin)
-    for name in sorted(allowed - seen):
-        registry.plugins_failed.append(f"{name}: named in {ALLOW_ENV} but no such entry point is installed "
-                                       f"(group {ENTRY_POINT_GROUP}; installed: {', '.join(sorted(seen)) or '-'})")
+    if entry_points:
+        for name in sorted(allowed - seen):
+            registry.plugins_failed.append(f"{name}: named in {ALLOW_ENV} but no such entry point is installed "
+                                           f"(group {ENTRY_POINT_GROUP}; installed: {', '.join(sorted(seen)) or '-'})")
     return manager
 
 

@@ -93,7 +93,7 @@ class Resolution:
     def is_fallback(self) -> bool:
         """The pure-torch reference runs on an accelerator target: whether faster implementations serve the target
         but cannot run here, or none serves it at all (both are the slow path a user should hear about)."""
-        return self.chosen is not None and self.chosen.vendor == REFERENCE_VENDOR and self.target.is_gpu
+        return self.chosen is not None and self.chosen.vendor == REFERENCE_VENDOR and self.target.is_accelerator
 
     def fallback_reasons(self) -> str:
         """Why no accelerated implementation runs: each rejected candidate's reason, or that none serves."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.validate import IndexerInputError
-from .platform import platform_of, platforms, vendors
+from .platform import on_platforms_changed, platform_of, platforms, vendors
 
 TARGET_ENV = "DSA_INDEXER_TARGET"
 
@@ -44,7 +44,7 @@ class Target:
         return self.arch if self.soc is None else f"{self.arch}:{self.soc}"
 
     @property
-    def is_gpu(self) -> bool:
+    def is_accelerator(self) -> bool:
         """True for accelerators on which the pure-torch reference is a slow fallback."""
         return platform_of(self.vendor).is_accelerator
 
@@ -109,6 +109,9 @@ def warm_detection() -> None:
 def forget_detection() -> None:
     """Drop cached detections (a platform was registered or removed)."""
     _detected.clear()
+
+
+on_platforms_changed(forget_detection)
 
 
 def detect_target(device: torch.device | str | int | None = None, override: str | Target | None = None) -> Target:

@@ -87,19 +87,3 @@ def make_topk_indices(module: ModuleType) -> Callable[..., torch.Tensor]:
         return out if out.dtype == torch.int32 else out.to(torch.int32)
 
     return topk_indices
-
-
-def load_flashinfer_top_k() -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """For benchmarks: ``fn(logits, k)`` over full rows through the adapter (raises when flashinfer is unusable)."""
-    reason = probe()
-    if reason is not None:
-        raise RuntimeError(reason)
-    import flashinfer
-
-    adapter = make_topk_indices(flashinfer)
-
-    def full_rows(logits: torch.Tensor, k: int) -> torch.Tensor:
-        ends = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
-        return adapter(logits, k, ends)
-
-    return full_rows

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ...dispatch.vendor import VendorLibrary
+from . import gemm, logits, paged, quant, topk
 
 log = logging.getLogger("dsa_indexer")
 
@@ -97,21 +98,6 @@ class AiterApi:
         return f"aiter {self.version} (fp8 {fp8}; " + "; ".join(parts) + ")"
 
 
-def find_function(modules: tuple[str, ...], name: str, *, callable_only: bool = False) -> tuple[str, Any] | None:
-    """The first ``module.name`` that imports, as (dotted path, object); None when none does. aiter's module paths
-    moved between releases (``aiter.ops.triton.X`` -> ``aiter.ops.triton.<family>.X``), so every adapter lists the
-    places it knows and takes the first that exists."""
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        obj = getattr(module, name, None)
-        if obj is not None and (callable(obj) or not callable_only):
-            return f"{module_name}.{name}", obj
-    return None
-
-
 def _version() -> str:
     try:
         from importlib import metadata
@@ -165,8 +151,6 @@ def detect_api() -> AiterApi:
     """Find, in the importable aiter, the functions the adapters call (imports aiter and its submodules)."""
     import aiter
 
-    from . import gemm, logits, paged, quant, topk
-
     dtypes = getattr(aiter, "dtypes", None)
     api = AiterApi(version=_version(), fp8_dtype=getattr(dtypes, "fp8", None))
     wrapper, kernel = logits.find_wrapper(), logits.find_kernel()
@@ -195,7 +179,6 @@ def self_test(api: AiterApi, device: torch.device) -> AiterApi:
     returned api, and a failure turns off only that implementation. Nothing HIP / CK runs here (`module_prebuilt`)."""
     if api.fp8_dtype is None:
         return api
-    from . import logits, paged
 
     if api.ragged_wrapper is not None:
         try:

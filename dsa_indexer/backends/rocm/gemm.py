@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .aiter_api import find_function
+from .lookup import find_function
 
 GEMM_NAME = "gemm_a8w8_blockscale"
 CKTILE_NAME = "gemm_a8w8_blockscale_cktile"  # ROCm/aiter main: shapes tuned for CK-tile call this module

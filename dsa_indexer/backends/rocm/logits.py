@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .aiter_api import find_function
+from .lookup import find_function
 
 try:  # triton is a dependency of the package; the head mask falls back to torch ops without it
     import triton

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from ...contract.cache import PAGE_SIZE
-from .aiter_api import find_function
+from .lookup import find_function
 
 WRAPPER_MODULES = ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
 WRAPPER_NAME = "deepgemm_fp8_paged_mqa_logits"

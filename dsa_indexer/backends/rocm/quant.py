@@ -28,7 +28,7 @@ import torch
 
 from ...contract import validate as v
 from ...contract.quant import PRODUCER_UNROUNDED, Fp8GroupLayout, QuantizedActivation
-from .aiter_api import find_function
+from .lookup import find_function
 
 GROUP_SIZE = 128
 FUSED_QUANT_MODULES = ("aiter.ops.triton.fused_fp8_quant", "aiter.ops.triton.quant.fused_fp8_quant")

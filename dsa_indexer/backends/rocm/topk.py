@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from .aiter_api import find_function
+from .lookup import find_function
 
 TOPK = 2048  # the kernels' compile-time k
 DECODE_MODULES = ("aiter.ops.topk", "aiter")
