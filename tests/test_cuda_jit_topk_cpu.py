@@ -119,7 +119,7 @@ def test_rows_too_wide_for_eight_ctas_have_no_plan():
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
     (1, 100, 1, 8), (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (5, 4097, 2, 8), (1, 8192, 2, 8), (64, 8192, 2, 8),
     (128, 8192, 1, 16), (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (128, 32768, 2, 32),
-    (1, 131072, 16, 16), (32, 131072, 8, 32), (128, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
+    (1, 131072, 16, 16), (32, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
 def test_register_plan(rows, cols, cluster, keys):
     got = cuda_topk.plan_for(rows, cols, 132, 4)
     assert got == cuda_topk.Plan("registers", cluster, keys)
@@ -127,6 +127,16 @@ def test_register_plan(rows, cols, cluster, keys):
     assert cluster * keys * cuda_topk.REGISTERS_THREADS >= cols  # every column has a register
     if rows * cluster > 132:  # past one CTA per SM: the fewest CTAs
         assert cluster == -(-cols // (32 * cuda_topk.REGISTERS_THREADS))
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 131072), (300, 40000), (128, 262144)])
+def test_many_long_rows_take_the_streaming_kernel(rows, cols):
+    assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (32, 131072), (64, 131072), (128, 262145)])
+def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(rows, cols):
+    assert cuda_topk.plan_for(rows, cols, 132, 4).kernel != "stream"
 
 
 def test_rows_past_sixteen_register_chunks_take_the_shared_memory_kernel():

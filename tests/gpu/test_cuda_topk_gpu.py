@@ -1,4 +1,4 @@
-"""The CUDA C++ top-k (``topk_indices.cuda.radix``: the register kernel and the shared-memory kernel, each plan)
+"""The CUDA C++ top-k (``topk_indices.cuda.radix``: the register, streaming and shared-memory kernels, each plan)
 and the sm90 lightning indexer on the H200, against the reference.
 
 Tolerance: none for the top-k. It is an exact selection, so the returned index SET must equal the reference's
@@ -46,6 +46,8 @@ def _plans(rows: int, cols: int, vec: int = 4):
     shared = cuda_topk.plan(rows, cols, _sms(), vec)
     if shared is not None:
         plans.append(cuda_topk.Plan("shared", *shared))
+    if cols <= cuda_topk.STREAM_MAX_COLS:  # the streaming kernel, forced on every width (its fallback on short rows)
+        plans.append(cuda_topk.Plan("stream", 1, 0))
     return plans
 
 

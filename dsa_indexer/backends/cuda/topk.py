@@ -1,12 +1,16 @@
 """The CUDA top-k: its launch plans, the adapter with the reference's signature, the self-test.
 
-Two kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
+Three kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
 in a CUDA graph, and the plan is computed once per shape: `plan_for` is cached, so every layer of a decode step
 shares one plan and pays a dictionary look-up for it):
 
 - ``csrc/topk_registers.cu`` for rows up to 16 x 16K columns: 512-thread CTAs, each holding a chunk of
   4K / 8K / 16K columns in registers (8 / 16 / 32 keys per thread); a row longer than one chunk is split over a
   thread-block cluster of up to 16 CTAs (`register_plan`);
+- the streaming kernel in ``csrc/topk_registers.cu`` for many long rows (more than 32K columns, up to 256K), where
+  the register kernel would need more than two waves of CTAs (128 x 128K): one 512-thread CTA per row
+  reads the row once, keeps the keys above a threshold estimated from a sample, and selects among those (the
+  whole row when the sample misled it: exact either way);
 - ``csrc/topk.cu`` for wider rows: 1024-thread CTAs holding up to 44K columns each in shared memory, a cluster of
   up to 8 per row (`plan`). Rows too wide for that too (over about 360K columns) go to the Triton top-k, which
   takes any width.
@@ -35,6 +39,9 @@ REGISTERS_THREADS = 512
 REGISTERS_KEYS = (8, 16, 32)  # keys per thread the register kernel is built for
 REGISTERS_CTAS_PER_SM = 2  # 512 threads x 64 registers: two CTAs share an SM
 REGISTERS_MAX_CLUSTER = 16  # the register kernel's clusters may be non-portable (16 CTAs: sm90 / sm100)
+STREAM_MIN_COLS = 32768  # the streaming kernel serves longer rows only (shorter ones fit the register kernel's wave)
+STREAM_MAX_COLS = 1 << 18  # its shared bitmap of selected columns holds this many
+STREAM_AFTER_WAVES = 2  # the streaming kernel takes rows whose register launch needs more waves than this
 
 
 class Plan(NamedTuple):
@@ -78,6 +85,13 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_registers_chunk.restype = ctypes.c_int
     lib.dsa_topk_registers_chunk.argtypes = [ctypes.c_int]
+    lib.dsa_topk_stream_launch.restype = ctypes.c_int
+    lib.dsa_topk_stream_launch.argtypes = [
+        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
+    lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_registers_error_string.restype = ctypes.c_char_p
     lib.dsa_topk_registers_error_string.argtypes = [ctypes.c_int]
     return lib
@@ -104,8 +118,15 @@ def register_plan(rows: int, cols: int, sms: int) -> tuple[int, int] | None:
 @functools.lru_cache(maxsize=4096)
 def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
-    of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them)."""
+    of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them). Rows longer than 32K whose
+    register launch needs more than two waves (two CTAs per SM each) take the streaming kernel: each wave pays
+    the register kernel's barrier chain again, while the streaming kernel reads each row once in one wave
+    (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two
+    waves, 66 vs 64 us, so the register kernel keeps it)."""
     reg = register_plan(rows, cols, sms)
+    if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS
+            and rows * reg[0] > STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
+        return Plan("stream", 1, 0)
     if reg is not None:
         return Plan("registers", *reg)
     shared = plan(rows, cols, sms, vec)
@@ -154,6 +175,10 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     launch = forced if forced is not None else plan_for(rows, max(cols, 1), sms, vec)
     if launch is not None and launch.kernel == "shared" and not _fits(_library(capability), launch.per_cta, optin):
         launch = None
+    if launch is not None and launch.kernel == "stream":
+        reg_lib = _registers_library(capability)
+        if cols > reg_lib.dsa_topk_stream_max_cols() or reg_lib.dsa_topk_stream_smem_bytes() > optin:
+            launch = None
     if launch is None:
         from ..triton.topk import topk_indices as wide_rows  # any width; the op's contract is the same
 
@@ -168,7 +193,11 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     args = (x.data_ptr(), x.stride(0), rows, cols, k, starts.data_ptr() if starts is not None else None,
             ends.data_ptr(), bt.data_ptr() if bt is not None else None, bt.stride(0) if bt is not None else 0,
             req.data_ptr() if req is not None else None, out.data_ptr())
-    if launch.kernel == "registers":
+    if launch.kernel == "stream":
+        lib = _registers_library(capability)
+        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), int(vec == 4), stream)
+        message = lib.dsa_topk_registers_error_string
+    elif launch.kernel == "registers":
         lib = _registers_library(capability)
         if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols:
             raise ValueError(f"plan {launch} does not cover {cols} columns")
@@ -221,15 +250,19 @@ def self_test(device: torch.device, topk=None) -> None:
     reference sees the rows with NaN replaced by -inf); raise RuntimeError naming the first difference."""
     from ..reference import kernels as ref
 
-    topk = topk or topk_indices
-    for n, (logits, k, ends, starts, table, req) in enumerate(_self_test_cases(device)):
-        got = topk(logits, k, ends, starts, table, req)
-        want = ref.topk_indices(nan_as_neg_inf(logits), k, ends, starts, table, req)
-        got_sets = torch.sort(got, dim=1).values
-        want_sets = torch.sort(want, dim=1).values
-        if not torch.equal(got_sets, want_sets):
-            bad = int((got_sets != want_sets).any(dim=1).nonzero()[0, 0])
-            raise RuntimeError(f"CUDA top-k self-test case {n}: row {bad} differs from the reference")
+    candidates = {"planned": topk or topk_indices}
+    if topk is None:  # the streaming kernel serves few shapes by plan: force it on every case it can hold
+        candidates["stream"] = lambda *a: run_plan(*a, Plan("stream", 1, 0)) if a[0].shape[1] <= STREAM_MAX_COLS \
+            else topk_indices(*a)
+    for name, fn in candidates.items():
+        for n, (logits, k, ends, starts, table, req) in enumerate(_self_test_cases(device)):
+            got = fn(logits, k, ends, starts, table, req)
+            want = ref.topk_indices(nan_as_neg_inf(logits), k, ends, starts, table, req)
+            got_sets = torch.sort(got, dim=1).values
+            want_sets = torch.sort(want, dim=1).values
+            if not torch.equal(got_sets, want_sets):
+                bad = int((got_sets != want_sets).any(dim=1).nonzero()[0, 0])
+                raise RuntimeError(f"CUDA top-k self-test case {n} ({name}): row {bad} differs from the reference")
 
 
 def probe() -> str | None:

@@ -325,6 +325,288 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   }
 }
 
+// ---- The streaming kernel: one CTA per row, the row read from global memory once on the fast path. For many
+// long rows (B x 128K), where the register kernel needs several waves of CTAs and pays its barrier chain in each:
+// 1. a threshold from a sample: 16 keys per thread (2048 float4s spread over the row); two radix levels find
+//    the 22-bit key prefix T of the sample's m-th largest, m sized so that about 1.5 k keys of the whole row
+//    are >= T (the sample only guesses: nothing below depends on it being right);
+// 2. one streaming pass: keys >= T (with their columns) are appended to shared memory (warp ballots, one
+//    shared atomic per warp and float4 group that has any);
+// 3. if the count is between k and the capacity, every one of the k largest is a candidate (each key >= the
+//    k-th is >= T), so the exact radix select (and the column tie-break) runs over the candidates only;
+//    otherwise (an unlucky or adversarial row) the same select runs over the whole row, re-read per level;
+// 4. the selected columns set bits of a shared bitmap (atomicOr: order-free), and a block scan over the bitmap
+//    writes them in ascending column order, so the output is bitwise repeatable whatever the atomics' order.
+constexpr int kStreamCandCap = 6144;
+constexpr int kStreamMaxCols = 1 << 18;  // bitmap of 8K words; below 2^kColBits for the column tie-break
+constexpr int kStreamSampleVecs = 4;     // float4s per thread in the sample
+constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
+
+struct StreamShared {
+  Shared base;
+  int n_cand;
+  unsigned cand_key[kStreamCandCap];
+  int cand_col[kStreamCandCap];
+  unsigned bitmap[kStreamMaxCols / 32];
+};
+
+// The float4 at column c0 (c0 % 4 == 0): one vector load when it lies inside the window of an aligned row, else
+// scalar loads of its columns inside the window (0 elsewhere). Loads only: callers convert after issuing several,
+// so that the loads are in flight together (a conversion right after each load serialises them).
+__device__ __forceinline__ float4 raw_load4(const float* x_row, int c0, int start, int end, int aligned) {
+  if (aligned && c0 >= start && c0 + 4 <= end) return __ldg(reinterpret_cast<const float4*>(x_row + c0));
+  float4 r;
+  r.x = (c0 >= start && c0 < end) ? __ldg(x_row + c0) : 0.f;
+  r.y = (c0 + 1 >= start && c0 + 1 < end) ? __ldg(x_row + c0 + 1) : 0.f;
+  r.z = (c0 + 2 >= start && c0 + 2 < end) ? __ldg(x_row + c0 + 2) : 0.f;
+  r.w = (c0 + 3 >= start && c0 + 3 < end) ? __ldg(x_row + c0 + 3) : 0.f;
+  return r;
+}
+
+__device__ __forceinline__ void keys4(const float4 q, int c0, int start, int end, unsigned (&key)[4]) {
+  const float f[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) key[i] = (c0 + i >= start && c0 + i < end) ? order_key(f[i]) : 0u;
+}
+
+__device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start, int end, int aligned,
+                                          unsigned (&key)[4]) {
+  keys4(raw_load4(x_row, c0, start, end, aligned), c0, start, end, key);
+}
+
+// Calls f(key, column) for every column of the window (key 0 for the padding of the first / last float4):
+// from the candidates (fast) or from the row in global memory.
+template <class F>
+__device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, int n_cand, const float* x_row,
+                                             int base, int nvec, int start, int end, int aligned, F&& f) {
+  const int t = threadIdx.x;
+  if (fast) {
+    for (int i = t; i < n_cand; i += kThreads) f(s.cand_key[i], s.cand_col[i]);
+  } else {
+    for (int v = t; v < nvec; v += kThreads) {
+      unsigned key[4];
+      const int c0 = base + 4 * v;
+      load_vec4(x_row, c0, start, end, aligned, key);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f(key[i], c0 + i);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char stream_smem[];
+  StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
+  cg::cluster_group cluster = cg::this_cluster();  // a cluster of one: find_bin uses block barriers only
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int end = p.ends[row];
+    const int start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = end - start;
+
+    if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
+      for (int j = t; j < p.k; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;
+    }
+    const float* x_row = p.x + (long long)row * p.x_stride;
+    const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
+    const int nvec = (end - base + 3) >> 2;
+    const int nwords = (width + 31) >> 5;
+
+    reinterpret_cast<int4*>(s.base.hist[0])[t] = make_int4(0, 0, 0, 0);
+    for (int w = t; w < nwords; w += kThreads) s.bitmap[w] = 0u;
+    if (t == 0) s.n_cand = 0;
+
+    // ---- 1. the sample and its threshold
+    unsigned skey[4 * kStreamSampleVecs];
+    {
+      float4 q[kStreamSampleVecs];
+      int c0[kStreamSampleVecs];
+#pragma unroll
+      for (int j = 0; j < kStreamSampleVecs; ++j) {
+        c0[j] = base + 4 * (int)(((long long)(j * kThreads + t) * nvec) / (kStreamSampleVecs * kThreads));
+        q[j] = raw_load4(x_row, c0[j], start, end, p.aligned);
+      }
+#pragma unroll
+      for (int j = 0; j < kStreamSampleVecs; ++j) {
+        unsigned key[4];
+        keys4(q[j], c0[j], start, end, key);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) skey[4 * j + i] = key[i];
+      }
+    }
+    // Every sampled float4 holds >= 1 column of the window, so the sample has >= 2048 keys and m <= 2048 exists.
+    long long want = (3LL * p.k * kStreamSampleVecs * kThreads) / (2LL * nvec) + 16;
+    const int m = (int)(want < 2048 ? want : 2048);
+    __syncthreads();
+    int level = 0;
+#pragma unroll
+    for (int e = 0; e < 4 * kStreamSampleVecs; ++e)
+      if (skey[e] != 0u) atomicAdd(&s.base.hist[0][skey[e] >> 21], 1);
+    int bin, need, count;
+    find_bin(s.base.hist[0], s.base.hist[1], m, s.base, cluster, 1, bin, need, count);
+    ++level;
+    unsigned threshold = (unsigned)bin << 21;
+    if (count != need) {
+      const unsigned top = (unsigned)bin;
+#pragma unroll
+      for (int e = 0; e < 4 * kStreamSampleVecs; ++e)
+        if (skey[e] != 0u && (skey[e] >> 21) == top) atomicAdd(&s.base.hist[1][(skey[e] >> 10) & 2047u], 1);
+      int bin2, need2, count2;
+      find_bin(s.base.hist[1], s.base.hist[0], need, s.base, cluster, 1, bin2, need2, count2);
+      ++level;
+      threshold |= (unsigned)bin2 << 10;
+    }
+    if (threshold == 0u) threshold = 1u;  // key 0 marks padding, never a candidate
+
+    // ---- 2. one pass over the row: keys >= threshold to shared memory
+    const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: ballots see every lane
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const int v_lo = start > base ? 1 : 0;  // the float4s wholly inside the window: [v_lo, v_hi)
+    const int v_hi = (end - base) >> 2;
+    for (int it0 = 0; it0 < iters; it0 += kStreamUnroll) {
+      float4 q[kStreamUnroll];
+      if (p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi) {  // uniform
+#pragma unroll
+        for (int u = 0; u < kStreamUnroll; ++u)
+          q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * ((it0 + u) * kThreads + t)));
+      } else {
+#pragma unroll
+        for (int u = 0; u < kStreamUnroll; ++u) {
+          const int v = (it0 + u) * kThreads + t;
+          q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+      unsigned key[kStreamUnroll][4];  // columns past the window (v >= nvec) get key 0 here too
+#pragma unroll
+      for (int u = 0; u < kStreamUnroll; ++u) keys4(q[u], base + 4 * ((it0 + u) * kThreads + t), start, end, key[u]);
+#pragma unroll
+      for (int u = 0; u < kStreamUnroll; ++u) {
+        const int c0 = base + 4 * ((it0 + u) * kThreads + t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const bool take = key[u][i] >= threshold;
+          const unsigned mask = __ballot_sync(0xffffffffu, take);
+          if (mask != 0u) {
+            const int leader = __ffs(mask) - 1;
+            int first = 0;
+            if (lane == leader) first = atomicAdd(&s.n_cand, __popc(mask));
+            first = __shfl_sync(0xffffffffu, first, leader);
+            const int pos = first + __popc(mask & lanes_below);
+            if (take && pos < kStreamCandCap) {
+              s.cand_key[pos] = key[u][i];
+              s.cand_col[pos] = c0 + i;
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const int n_cand = s.n_cand;
+    const bool fast = n_cand >= p.k && n_cand <= kStreamCandCap;  // uniform
+
+    // ---- 3. exact radix select over the candidates (fast) or the row: as in the register kernel
+    unsigned prefix = 0u;
+    int shift = 32;
+    int k_rem = p.k;
+    bool tie = false;
+    while (true) {
+      const int nshift = shift > kBinBits ? shift - kBinBits : 0;
+      const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
+      int* h = s.base.hist[level & 1];
+      for_each_key(fast, s, n_cand, x_row, base, nvec, start, end, p.aligned, [&](unsigned kk, int) {
+        if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+      });
+      find_bin(h, s.base.hist[(level + 1) & 1], k_rem, s.base, cluster, 1, bin, need, count);
+      ++level;
+      prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
+      shift = nshift;
+      k_rem = need;
+      if (count == need) break;
+      if (shift == 0) {
+        tie = true;
+        break;
+      }
+    }
+    unsigned prefix2 = 0u;
+    int shift2 = kColBits;
+    if (tie) {
+      while (true) {
+        const int nshift = shift2 > kBinBits ? shift2 - kBinBits : 0;
+        const unsigned digit_mask = (1u << (shift2 - nshift)) - 1u;
+        int* h = s.base.hist[level & 1];
+        for_each_key(fast, s, n_cand, x_row, base, nvec, start, end, p.aligned, [&](unsigned kk, int c) {
+          if (kk == prefix) {
+            const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
+            if (shift2 >= kColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
+          }
+        });
+        find_bin(h, s.base.hist[(level + 1) & 1], k_rem, s.base, cluster, 1, bin, need, count);
+        ++level;
+        prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
+        shift2 = nshift;
+        k_rem = need;
+        if (count == need) break;
+      }
+    }
+
+    // ---- 4. the selection as a bitmap, written in column order
+    for_each_key(fast, s, n_cand, x_row, base, nvec, start, end, p.aligned, [&](unsigned kk, int c) {
+      if (kk == 0u) return;
+      const unsigned cls = kk >> shift;
+      bool sel = cls > prefix;
+      if (cls == prefix) {
+        if (!tie) {
+          sel = true;
+        } else {
+          const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
+          sel = (k2 >> shift2) >= prefix2;
+        }
+      }
+      if (sel) atomicOr(&s.bitmap[(c - start) >> 5], 1u << ((c - start) & 31));
+    });
+    __syncthreads();
+    const int per = (nwords + kThreads - 1) / kThreads;  // consecutive words per thread (<= 16)
+    const int w0 = t * per, w1 = min(nwords, w0 + per);
+    int mine = 0;
+    for (int w = w0; w < w1; ++w) mine += __popc(s.bitmap[w]);
+    int incl = mine;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    if (lane == 31) s.base.warp_sum[warp] = incl;
+    __syncthreads();
+    int offset = incl - mine;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) offset += w < warp ? s.base.warp_sum[w] : 0;
+    for (int w = w0; w < w1; ++w) {
+      unsigned bits = s.bitmap[w];
+      while (bits != 0u) {
+        const int b = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        out_row[offset++] = out_value(w * 32 + b, req, p);
+      }
+    }
+    __syncthreads();  // the bitmap, histograms and warp sums are reused by the next row
+  }
+}
+
+cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
+  static bool configured = false;  // host work once: the >48 KB dynamic shared memory opt-in
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)sizeof(StreamShared));
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  topk_stream_kernel<<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
+  return cudaSuccess;
+}
+
 template <int KPT>
 cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t stream) {
   if (cluster > 8) {  // 16 CTAs per cluster is beyond the portable 8: allowed per kernel, once (host work)
@@ -379,6 +661,21 @@ int dsa_topk_registers_launch(const float* x, long long x_stride, int rows, int 
     case 32: err = launch<32>(p, cluster, grid_rows, (cudaStream_t)stream); break;
     default: return (int)cudaErrorInvalidValue;
   }
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+// The streaming kernel (one CTA per row, `grid` CTAs looping over the rows): rows of at most
+// dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in shared memory.
+int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
+long long dsa_topk_stream_smem_bytes() { return (long long)sizeof(StreamShared); }
+
+int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
+                           const int* ends, const int* block_table, long long bt_stride, const int* row_request,
+                           int* out, int grid, int aligned, void* stream) {
+  if (cols > kStreamMaxCols || grid < 1) return (int)cudaErrorInvalidValue;
+  Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
+  const cudaError_t err = launch_stream(p, grid, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
