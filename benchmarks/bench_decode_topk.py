@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsa_indexer.bench import script_main  # noqa: E402
+from dsa_indexer.cli import script_main  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsa_indexer.bench import capture, script_main  # noqa: E402,F401 - capture: re-exported for the other scripts
+from dsa_indexer.bench import capture  # noqa: E402,F401 - re-exported for the other scripts
+from dsa_indexer.cli import script_main  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -940,10 +940,10 @@ def write_plots(report: BenchReport, folder) -> list[str]:
 
 
 def report_json(report: BenchReport, command: Sequence[str] | None = None) -> str:
-    from .cli import _versions
+    from .versions import package_versions
 
     command = list(command) if command is not None else ["dsa-indexer", *sys.argv[1:]]
-    return json.dumps({"command": " ".join(command), "versions": _versions(), **report.as_dict()}, indent=2,
+    return json.dumps({"command": " ".join(command), "versions": package_versions(), **report.as_dict()}, indent=2,
                       default=str)
 
 
@@ -955,41 +955,3 @@ def write_json(report: BenchReport, where: str, stream=None, command: Sequence[s
     else:
         with open(where, "w") as handle:
             handle.write(text + "\n")
-
-
-# --- benchmarks/bench_*.py: thin callers of the command --------------------------------------------------------------
-def script_main(name: str, suites: Sequence[str], argv: Sequence[str] | None, *, quick: Sequence[str] = (),
-                doc: str = "", only: Sequence[str] = ()) -> int:
-    """What ``benchmarks/bench_<name>.py --out DIR [--quick] [--repeats N] [--budget-s S]`` runs:
-    ``dsa-indexer bench --suite SUITES --json DIR/<name>.json`` (plus ``--plots DIR/<name>_plots`` when matplotlib
-    imports); ``--quick`` adds ``quick`` (smaller GPU sweeps; a CPU run is small anyway). ``only``: the suites
-    ``--only`` may pick one of."""
-    import argparse
-    from pathlib import Path
-
-    from .cli import main as cli_main
-
-    parser = argparse.ArgumentParser(description=doc or f"dsa-indexer bench --suite {' '.join(suites)}",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True, help=f"folder for {name}.json (created)")
-    parser.add_argument("--quick", action="store_true", help="smaller sweeps: " + " ".join(quick))
-    parser.add_argument("--repeats", type=int, default=None, help="samples per median (default 25 GPU, 5 CPU)")
-    parser.add_argument("--budget-s", type=float, default=None, help="start no new item after this many seconds")
-    if only:
-        parser.add_argument("--only", choices=(*only, "all"), default="all", help="one suite of " + ", ".join(only))
-    args = parser.parse_args(argv)
-    picked = list(suites) if not only or args.only == "all" else [args.only]
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = ["bench", "--suite", *picked, "--json", str(args.out / f"{name}.json")]
-    if args.repeats:
-        command += ["--repeats", str(args.repeats)]
-    if args.budget_s is not None:
-        command += ["--budget-s", str(args.budget_s)]
-    if args.quick and torch.cuda.is_available():  # the CPU sizes are small already
-        command += list(quick)
-    if _importable("matplotlib"):
-        command += ["--plots", str(args.out / f"{name}_plots")]
-    else:
-        print("matplotlib does not import: no plots (pip install 'dsa-indexer[bench]')", file=sys.stderr)
-    print("dsa-indexer " + " ".join(command), file=sys.stderr, flush=True)
-    return cli_main(command)

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from . import __version__
+from .versions import package_versions
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.environment import default_probes
@@ -71,21 +72,6 @@ def _parse_facts(items: Sequence[str]) -> dict:
     return facts
 
 
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"dsa_indexer": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    from .dispatch.platform import platforms
-
-    vendor_dists = [d for p in platforms() for d in p.distributions]
-    for dist in ("triton", "pluggy", *vendor_dists):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def _simulated_target(args):
     return detect_target(override=parse_target(args.target, "--target") if args.target else None)
 
@@ -122,7 +108,7 @@ def cmd_info(args) -> int:
     simulated = bool(args.target or os.environ.get("DSA_INDEXER_TARGET"))
     if args.json:
         report = {"dsa_indexer": __version__, "target": str(target), "simulated_target": simulated,
-                  "environment": (env or registry.environment).name, "strict": strict, "versions": _versions(),
+                  "environment": (env or registry.environment).name, "strict": strict, "versions": package_versions(),
                   "plugins_loaded": list(registry.plugins_loaded), "plugins_failed": list(registry.plugins_failed),
                   "forced": registry.forced(), "resolutions": [res.to_dict() for res in rows]}
         _write_json(report, args.json)
@@ -132,8 +118,8 @@ def cmd_info(args) -> int:
           + ("  [simulated]" if simulated else ""))
     if env is not None:
         print(f"environment: {env.name}")
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in _versions().items() if v))
-    print("not installed (no distribution metadata): " + ", ".join(k for k, v in _versions().items() if not v))
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in package_versions().items() if v))
+    print("not installed (no distribution metadata): " + ", ".join(k for k, v in package_versions().items() if not v))
     if env is None:
         print("vendor libraries:")
         for line in _vendor_lines(registry.environment):
@@ -233,7 +219,7 @@ def cmd_run(args) -> int:
 
     settings = RunSettings(model=args.model, device=args.device, batch=args.batch, context=args.context,
                            steps=args.steps, prefill_tokens=args.prefill_tokens, next_n=args.next_n, seed=args.seed,
-                           verify=not args.no_verify,
+                           verify=not args.no_verify, warmup=False if args.no_warmup else None,
                            target=parse_target(args.target, "--target") if args.target else None)
     json_stdout = args.json == "-"
     stdout = sys.stdout
@@ -438,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--next-n", type=_positive_int, default=1, help="query tokens per request per step (MTP verify: 2)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--no-verify", action="store_true", help="skip the check against the reference backend")
+    run.add_argument("--no-warmup", action="store_true",
+                     help="skip the untimed first-use compile / warm-up phase (on by default on an accelerator): "
+                          "first-call compiles then land in the timed phases")
     run.add_argument("--json", type=_writable_json_path, metavar="FILE",
                      help="also write the report as JSON to this file (its folder must exist; '-': stdout, which "
                           "then holds the JSON only). Exit codes: 0 verified, 1 top-k mismatch against the "
@@ -473,8 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--from-json", type=_readable_file, default=None, metavar="FILE",
                        help="render the table (and --plots) of a saved --json report instead of measuring")
     bench.add_argument("--plots", type=_plots_folder, default=None, metavar="DIR",
-                       help="PNG plots into DIR: latency vs context, fraction of the bandwidth floor, dual vs "
-                            "single stream, top-k vs torch.topk, prefill (needs matplotlib: the 'bench' extra)")
+                       help="PNG plots into DIR: latency vs context, bandwidth as %% of the measured copy bandwidth, "
+                            "the pipeline strategies accepted here, top-k vs torch.topk, prefill (needs matplotlib: "
+                            "the 'bench' extra)")
     bench.add_argument("--progress", type=_progress_style, default="auto", metavar="STYLE",
                        help="auto (a rich or tqdm bar on a terminal when installed, else a line per item), rich, "
                             "tqdm, plain, none; always on stderr")
@@ -508,6 +498,44 @@ def _main(argv: Sequence[str] | None) -> int:
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"dsa-indexer {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+# --- benchmarks/bench_*.py: thin callers of the command --------------------------------------------------------------
+def script_main(name: str, suites: Sequence[str], argv: Sequence[str] | None, *, quick: Sequence[str] = (),
+                doc: str = "", only: Sequence[str] = ()) -> int:
+    """What ``benchmarks/bench_<name>.py --out DIR [--quick] [--repeats N] [--budget-s S]`` runs:
+    ``dsa-indexer bench --suite SUITES --json DIR/<name>.json`` (plus ``--plots DIR/<name>_plots`` when matplotlib
+    imports); ``--quick`` adds ``quick`` (smaller GPU sweeps; a CPU run is small anyway). ``only``: the suites
+    ``--only`` may pick one of."""
+    import argparse
+    from pathlib import Path
+
+    from .bench import _importable
+
+    parser = argparse.ArgumentParser(description=doc or f"dsa-indexer bench --suite {' '.join(suites)}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help=f"folder for {name}.json (created)")
+    parser.add_argument("--quick", action="store_true", help="smaller sweeps: " + " ".join(quick))
+    parser.add_argument("--repeats", type=int, default=None, help="samples per median (default 25 GPU, 5 CPU)")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no new item after this many seconds")
+    if only:
+        parser.add_argument("--only", choices=(*only, "all"), default="all", help="one suite of " + ", ".join(only))
+    args = parser.parse_args(argv)
+    picked = list(suites) if not only or args.only == "all" else [args.only]
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = ["bench", "--suite", *picked, "--json", str(args.out / f"{name}.json")]
+    if args.repeats:
+        command += ["--repeats", str(args.repeats)]
+    if args.budget_s is not None:
+        command += ["--budget-s", str(args.budget_s)]
+    if args.quick and torch.cuda.is_available():  # the CPU sizes are small already
+        command += list(quick)
+    if _importable("matplotlib"):
+        command += ["--plots", str(args.out / f"{name}_plots")]
+    else:
+        print("matplotlib does not import: no plots (pip install 'dsa-indexer[bench]')", file=sys.stderr)
+    print("dsa-indexer " + " ".join(command), file=sys.stderr, flush=True)
+    return main(command)
 
 
 if __name__ == "__main__":

@@ -167,11 +167,11 @@ def _files_under(path: str) -> int:
 def versions_block() -> dict:
     """What ran: the versions `dsa-indexer info` shows (distribution metadata), and where each vendor module (and
     triton) would be imported from, None when it is not importable: a source build has no metadata but imports."""
-    from .cli import _versions
+    from .versions import package_versions
     from .dispatch.platform import vendor_libraries
     from .dispatch.vendor import importable_from
 
-    out = dict(_versions())
+    out = dict(package_versions())
     out["importable"] = {module: importable_from(module) for module in sorted({"triton", *vendor_libraries().values()})}
     return out
 
