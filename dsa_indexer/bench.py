@@ -53,7 +53,7 @@ CPU_BATCHES, CPU_CONTEXTS = (1, 4), (1024, 4096)
 GPU_PREFILL = ((4096, 4096), (2048, 32768))
 CPU_PREFILL = ((128, 1024),)
 HEADS, DIM, TOPK = 64, 128, 2048
-PIPELINE = "indexer_pipeline"
+PIPELINE = ops.PIPELINE_OP  # one spelling: contract/specs.py
 SINGLE_STREAM = "indexer_pipeline.generic.single_stream"
 REUSE = "+q_lora_reuse"
 TORCH_TOPK = "torch.topk (baseline)"
@@ -772,10 +772,6 @@ def require_matplotlib():
     except ImportError:
         raise RuntimeError("plots need matplotlib: pip install 'dsa-indexer[bench]'") from None
     return plt
-
-
-def _shape_label(shape: dict) -> str:
-    return "x".join(str(v) for v in shape.values())
 
 
 def _by(rows, key) -> dict:

@@ -15,6 +15,7 @@ import torch
 
 from . import __version__
 from .versions import package_versions
+from .contract.specs import PIPELINE_OP
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.environment import default_probes
@@ -31,7 +32,7 @@ DEFAULT_PROBLEMS = {
     "gemm_fp8_blockscale": dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn"),
     "quant_fp8_groups": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
     "rmsnorm_quant_fp8": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
-    "indexer_pipeline": dict(tokens=32, decode=True, q_lora_quant=False),
+    PIPELINE_OP: dict(tokens=32, decode=True, q_lora_quant=False),
     "c4_compress_pool": dict(dim=128, window=8),
     "q_prologue_plain": dict(heads=64, dim=128, rope_dim=64, interleaved=False, format="bf16"),
     "k_prologue_store_plain": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", format="bf16"),
@@ -48,7 +49,7 @@ def _problem_for(op: str, target, overrides: dict) -> Problem:
     if "fp8" in facts and target.fp8_dtype == torch.float8_e4m3fnuz:
         facts["fp8"] = "fnuz"  # the target's own flavour, as its platform says
     layout = platform_of(target.vendor).cache_layout(1)
-    if op == "indexer_pipeline":
+    if op == PIPELINE_OP:
         facts["cache"] = layout  # the layout Indexer.allocate_cache picks on this target
     if "format" in facts and layout in PLAIN_FORMATS:
         facts["format"] = PLAIN_FORMATS[layout]

@@ -60,14 +60,18 @@ def _device_facts(index: int) -> tuple[int, int, tuple[int, int]]:
     return props.multi_processor_count, int(optin), (props.major, props.minor)
 
 
+# The arguments every launch entry point starts with, in the kernels' Params order: x, x_stride, rows, cols, k,
+# starts, ends, block_table, bt_stride, row_request, out.
+ROW_ARGTYPES = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p)
+
+
 @functools.lru_cache(maxsize=None)
 def _library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib = jit.load(SOURCE, capability)
     lib.dsa_topk_launch.restype = ctypes.c_int
-    lib.dsa_topk_launch.argtypes = [
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_void_p]
     lib.dsa_topk_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_smem_bytes.argtypes = [ctypes.c_int]
     lib.dsa_topk_error_string.restype = ctypes.c_char_p
@@ -79,17 +83,12 @@ def _library(capability: tuple[int, int]) -> ctypes.CDLL:
 def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib = jit.load(REGISTERS_SOURCE, capability)
     lib.dsa_topk_registers_launch.restype = ctypes.c_int
-    lib.dsa_topk_registers_launch.argtypes = [
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_registers_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                              ctypes.c_void_p]
     lib.dsa_topk_registers_chunk.restype = ctypes.c_int
     lib.dsa_topk_registers_chunk.argtypes = [ctypes.c_int]
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
-    lib.dsa_topk_stream_launch.argtypes = [
-        ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_registers_error_string.restype = ctypes.c_char_p
