@@ -23,22 +23,22 @@ AGREEMENT = 0.97
 NEW_TOKENS = 20
 
 
-def tiny_v32(seed=0):
+def tiny_v32(seed=0, index_heads=16):
     config = transformers.DeepseekV32Config(
         vocab_size=128, hidden_size=256, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, kv_lora_rank=32, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=16,
         qk_nope_head_dim=16, first_k_dense_replace=2, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
         topk_group=1, moe_intermediate_size=32, max_position_embeddings=256, index_topk=16, index_head_dim=128,
-        index_n_heads=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        index_n_heads=index_heads, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return transformers.DeepseekV32ForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def tiny_v4(seed=0):
+def tiny_v4(seed=0, index_heads=16):
     config = transformers.DeepseekV4Config(
         vocab_size=128, hidden_size=256, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         head_dim=128, partial_rotary_factor=0.5, q_lora_rank=128, n_routed_experts=2, num_experts_per_tok=1,
-        sliding_window=8, o_groups=1, o_lora_rank=32, index_n_heads=16, index_head_dim=128, index_topk=8,
+        sliding_window=8, o_groups=1, o_lora_rank=32, index_n_heads=index_heads, index_head_dim=128, index_topk=8,
         max_position_embeddings=256, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["moe", "moe"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
