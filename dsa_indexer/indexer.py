@@ -520,6 +520,9 @@ class Indexer(nn.Module):
         if batch.max_page >= cache.num_pages:
             raise IndexerInputError(f"batch's block_table uses cache page {batch.max_page} but the cache has "
                                     f"{cache.num_pages} pages: build the batch with num_cache_pages=cache.num_pages")
+        if batch.positions.device != x.device:
+            raise IndexerInputError(f"batch is on {batch.positions.device} but x is on {x.device}: build the batch "
+                                    f"with device={str(x.device)!r}")
         if positions is not batch.positions and check_values(positions):
             # Keys are stored at the batch's slots (from batch.positions) but RoPE'd at these positions: they must be
             # the same tokens. Free on the host; a host sync on a device (DSA_INDEXER_CHECK_RANGES=1 turns it on).
