@@ -194,6 +194,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
               "extended for this synthetic run (a real model is not trained past it)")
     cfg = dataclasses.replace(base, max_position=max(base.max_position if on_gpu else 0, max_len))
     target = detect_target(device, settings.target)
+    default_registry().start_recording_usage()  # the report lists what this run used, not what the process did
     decode_keys = (context + steps * next_n) // ratio
     if decode_keys <= base.topk:
         print(f"note: decode rows see at most {decode_keys} <= top-{base.topk} keys, so the decode steps run no logits "

@@ -79,7 +79,7 @@ def test_v4_loads_under_the_model_prefix_and_transformers_names(tmp_path, scheme
 
 
 def test_save_pretrained_round_trip_v32(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' test extra) is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers (the 'transformers' extra) is not installed")
     config = transformers.DeepseekV32Config(
         vocab_size=64, hidden_size=256, num_hidden_layers=2, num_attention_heads=2, q_lora_rank=256, kv_lora_rank=64,
         qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
@@ -98,7 +98,7 @@ def test_save_pretrained_round_trip_v32(tmp_path):
 
 
 def test_save_pretrained_round_trip_v4(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' test extra) is not installed")
+    transformers = pytest.importorskip("transformers", reason="transformers (the 'transformers' extra) is not installed")
     config = transformers.DeepseekV4Config(
         vocab_size=64, hidden_size=256, num_hidden_layers=3, num_attention_heads=2, q_lora_rank=256, o_lora_rank=64,
         o_groups=2, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, index_n_heads=4,

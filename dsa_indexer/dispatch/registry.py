@@ -288,6 +288,13 @@ class Registry:
         self._fn_cache = {}
         self._resolution_cache = {}
 
+    def start_recording_usage(self) -> None:
+        """Forget which implementations calls used so far (``used``) and the cached functions, so that from now on
+        ``used`` holds exactly what the next calls run (`dsa-indexer run` reports its own run, not the process's)."""
+        with self._lock:
+            self.used = {}
+            self._fn_cache = {}
+
     def clear_cache(self) -> None:
         """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment."""
         reload_environment()
