@@ -72,6 +72,8 @@ def test_composed_lightning_indexer_resolves_its_inner_ops_for_the_callers_targe
     accelerated can run them here, so the call raises (before the fix the inner ops re-detected the CPU from the
     tensors and ran the reference silently)."""
     registry = default_registry()
+    saved = registry.environment
+    registry.set_environment(Environment.simulated())  # no accelerator here, on any machine: sm90 has no kernel
     registry.force("lightning_indexer", "lightning_indexer.generic.composed")
     try:
         q, kv, w, lens, table = _decode_inputs()
@@ -90,6 +92,7 @@ def test_composed_lightning_indexer_resolves_its_inner_ops_for_the_callers_targe
         _same_sets(out, expected)
     finally:
         registry.force("lightning_indexer", None)
+        registry.set_environment(saved)
         registry.clear_cache()
 
 
