@@ -210,7 +210,7 @@ class DecodeGraph:
             raise IndexerInputError(f"the indexer's weights are on {indexer.cos_sin.device}, the cache on {device}")
         buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device)
         if indexer.compressor is not None:
-            indexer._compression_step(buffers.derive(), compressor_state)  # the same checks, before capture
+            indexer.compression_step(buffers.derive(), compressor_state)  # the same checks, before capture
             buffers.num_state_slots = compressor_state.num_slots
         elif compressor_state is not None:
             raise IndexerInputError("compressor_state is only for C4 indexers (compress_ratio 4)")

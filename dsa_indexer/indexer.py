@@ -497,7 +497,9 @@ class Indexer(nn.Module):
         return default_registry().choose(PIPELINE_OP, self.target, problem)
 
     # --- the step -----------------------------------------------------------------------------------------
-    def _check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
+    def check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
+        """Every check `forward` makes of its arguments (a public seam: context-parallel prefill makes the same
+        ones); returns the token count T."""
         cfg = self.config
         check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
         t = x.shape[0]
@@ -555,8 +557,9 @@ class Indexer(nn.Module):
                                     f"(max_position={self.config.max_position} of {self.config.name}); build the "
                                     "config with a larger max_position if the model supports it")
 
-    def _compression_step(self, batch: DecodeBatch | PrefillBatch, state) -> CompressionStep:
-        """Check ``compressor_state`` against this C4 step and bundle what the compressor needs."""
+    def compression_step(self, batch: DecodeBatch | PrefillBatch, state) -> CompressionStep:
+        """Check ``compressor_state`` against this C4 step and bundle what the compressor needs (a public seam: graph
+        decode runs the same checks before capture)."""
         if state is None:
             raise IndexerInputError(
                 "compressor_state is required for a C4 indexer (compress_ratio 4): each step compresses the entries "
@@ -582,13 +585,13 @@ class Indexer(nn.Module):
                 batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                 q_lora_quant: QuantizedActivation | None = None,
                 compressor_state: CompressorState | None = None) -> torch.Tensor:
-        self._check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
+        self.check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
         decode = isinstance(batch, DecodeBatch)
         res = self.pipeline_resolution(x, decode, q_lora_quant is not None, cache.layout)
         self.last_pipeline = res
         strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
         key_store = (batch.slot_mapping if self.compressor is None
-                     else self._compression_step(batch, compressor_state))
+                     else self.compression_step(batch, compressor_state))
         if cache.is_plain:
             return self._forward_plain(strategy, x, q_lora, positions, batch, cache, q_lora_quant, key_store, decode)
         if not decode and batch.max_keys_per_row > self.config.topk:
@@ -613,7 +616,7 @@ class Indexer(nn.Module):
         the same batch), in token blocks for V3.2; then, per planned chunk of rows, the q path and the scoring, so
         no intermediate grows with the batch beyond the budget (the int32 [T, topk] output aside)."""
         self._store_all_keys(x, positions, key_store, cache, plan)
-        return self._score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
+        return self.score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
 
     def _store(self, x, positions, key_store, cache: IndexKCache) -> None:
         """The k path of ``cache``'s layout: the fp8 pages, or a plain (bf16 / int8) layout."""
@@ -657,9 +660,10 @@ class Indexer(nn.Module):
                                             block_table, self.config.topk, compress_ratio=self.config.compress_ratio,
                                             target=self.target)
 
-    def _score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
+    def score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
                     ) -> torch.Tensor:
-        """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache."""
+        """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache (a
+        public seam: context-parallel prefill scores its own rows with it)."""
         def q_of(start: int, stop: int):
             quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
             return q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
@@ -679,7 +683,7 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"cache must be an IndexKCache, got {type(cache).__name__}")
         self._check_positions(batch)
         key_store = (batch.slot_mapping if self.compressor is None
-                     else self._compression_step(batch, compressor_state))
+                     else self.compression_step(batch, compressor_state))
         self._store(x, batch.positions, key_store, cache)
 
     def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,7 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
     if indexer.compressor is not None:
         raise IndexerInputError("context-parallel prefill takes V3.2 layers: a C4 compressor pools windows across "
                                 "the row split (run C4 prefill on one device)")
-    indexer._check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
+    indexer.check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rows = zigzag_rows(batch.num_tokens, rank, world).to(x.device)
     # 2. this rank's keys, then everyone's: the key rows travel as the cache's own bytes (fp8 values + fp32 scale).
@@ -88,7 +88,7 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
     # 3. q path, logits and top-k of this rank's rows (the indexer's own bounded prefill scoring).
     mine = _rows_batch(batch, rows)
     quant = q_lora_quant.select_rows(rows) if q_lora_quant is not None else None
-    out = indexer._score_rows(x[rows], q_lora[rows], positions[rows], mine, cache, quant)
+    out = indexer.score_rows(x[rows], q_lora[rows], positions[rows], mine, cache, quant)
     if not gather_output:
         return rows, out
     # 4. the whole [T, topk] on every rank.

@@ -151,7 +151,7 @@ def test_dual_stream_with_the_compressor_is_bit_identical_to_single_stream():
     for strategy in (dual_stream.make_dual_stream(), single_stream):
         work_cache = IndexKCache(cache.data.clone(), cache.fp8_dtype)
         work_state = state.clone()
-        step = indexer._compression_step(db, work_state)
+        step = indexer.compression_step(db, work_state)
         q_fp8, weights = strategy(indexer, x, q_lora, db.positions, step, work_cache.data, None)
         torch.cuda.synchronize()
         outs.append((q_fp8, weights, work_cache.data, work_state.window))
