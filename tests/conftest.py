@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    # Everything under tests/gpu is a GPU test, marked or not: the marker is where the skip lives (files add none).
+    for item in items:
+        if "gpu" in item.path.parts and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.gpu)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the H200 test machine)")

@@ -24,7 +24,7 @@ from dsa_indexer.dispatch.target import detect_target
 from dsa_indexer.graphs import DecodeGraph
 from dsa_indexer.pipeline import single_stream
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 SINGLE = "indexer_pipeline.generic.single_stream"
 DUAL = dual_stream.IMPL_ID

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 from dsa_indexer.backends.cuda import topk as cuda_topk  # noqa: E402
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402

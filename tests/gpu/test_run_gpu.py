@@ -10,7 +10,7 @@ import torch
 from dsa_indexer.cli import main
 from dsa_indexer.runner import EAGER_DECODE, FILL, GRAPH_DECODE, PREFILL, WARMUP
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 # Contexts past top-k keys, so the decode rows score: 2048 tokens for V3.2, 4 x 2048 for V4's C4 indexer.
 CONTEXT = {"deepseek-v3.2": 4608, "deepseek-v4-flash": 9000}

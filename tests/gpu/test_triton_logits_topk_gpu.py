@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 pytest.importorskip("triton")
 

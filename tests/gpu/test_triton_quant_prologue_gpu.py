@@ -26,7 +26,7 @@ from dsa_indexer.backends.triton import prologue as tprologue  # noqa: E402
 from dsa_indexer.backends.triton import quant as tquant  # noqa: E402
 from dsa_indexer.contract.cache import PAGE_SIZE, page_views  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu  # skipped without a GPU by tests/conftest.py
 
 HEADS, DIM = 64, 128
 TOKENS = [1, 7, 128, 4096]
