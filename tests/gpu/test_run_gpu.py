@@ -5,7 +5,6 @@ both checked against the reference backend (top-k set agreement >= 99%, the run'
 import json
 
 import pytest
-import torch
 
 from dsa_indexer.cli import main
 from dsa_indexer.runner import EAGER_DECODE, FILL, GRAPH_DECODE, PREFILL, WARMUP
