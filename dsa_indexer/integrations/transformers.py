@@ -638,7 +638,9 @@ class DeepseekV32IndexerSwap(_SwappedIndexer):
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, position_embeddings=None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                past_key_values=None) -> torch.Tensor:
+                past_key_values=None, cache=None) -> torch.Tensor:
+        # transformers 5.23 passes the cache as ``past_key_values=``, 5.24 as ``cache=``: the same object.
+        past_key_values = cache if past_key_values is None else past_key_values
         batch_size, seq_len = hidden_states.shape[:2]
         topk = self.dsa_indexer.config.topk
         width = attention_mask.shape[-1] if attention_mask is not None else None
