@@ -153,7 +153,7 @@ def test_json_on_stdout_stays_json_when_something_prints(monkeypatch, capsys):
         print("a library printing on stdout")
         return original(*args)
 
-    monkeypatch.setattr(bench, "bench_topk", noisy)
+    monkeypatch.setattr(bench.suites, "bench_topk", noisy)  # run_bench looks it up in its module
     code, data, err = _json_run(capsys, "--suite", "topk", *CPU, "--batch", "1", "--context", "256", "--repeats",
                                 "1", "--progress", "plain")
     assert code == 0 and {r["suite"] for r in data["rows"]} == {"topk"}
@@ -167,7 +167,7 @@ def test_a_failing_implementation_is_recorded_and_the_exit_code_says_so(monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded\nsecond line")
 
-    monkeypatch.setattr(bench.ops, "ragged_mqa_logits", broken)
+    monkeypatch.setattr(bench.suites.ops, "ragged_mqa_logits", broken)  # the ops module the suites call
     code, data, _ = _json_run(capsys, "--suite", "prefill", "topk", *SMALL, "--prefill-shapes", "8x64")
     assert code == 1
     assert {r["suite"] for r in data["rows"]} == {"topk"}  # the others still ran
