@@ -248,9 +248,15 @@ class PrefillBatch:
         start = 0
         while start < rows:
             # cost(stop) = (stop - start) * ((ke[stop - 1] - ks[start]) * 4 + row_bytes) never decreases with stop
-            # (ke is non-decreasing): a binary search for the largest stop within the budget, at least one row.
+            # (ke is non-decreasing). The answer n = stop - start is bracketed first: every row costs at least the
+            # first row's width, so n <= n_max; every row of the first n_max costs at most the last one's, so
+            # n_min fits. A binary search in [n_min, n_max] (a few steps: ke barely moves within a chunk).
             base = int(ks[start])
-            lo, hi = start + 1, rows
+            first = (int(ke[start]) - base) * 4 + row_bytes
+            n_max = min(rows - start, max(1, budget_bytes // first if first > 0 else rows))
+            widest = (int(ke[start + n_max - 1]) - base) * 4 + row_bytes
+            lo = start + max(1, min(n_max, budget_bytes // widest if widest > 0 else n_max))
+            hi = start + n_max
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if (mid - start) * ((int(ke[mid - 1]) - base) * 4 + row_bytes) <= budget_bytes:
