@@ -5,7 +5,7 @@
     model.generate(...)
     restore_indexers(model)     # transformers' own modules are back
 
-What a swap does (transformers >= 5.23, ``models/deepseek_v32`` and ``models/deepseek_v4``):
+What a swap does (transformers >= 5.23; 5.23 and 5.24 tested; ``models/deepseek_v32`` and ``models/deepseek_v4``):
 
 - Where: V3.2 replaces ``model.layers[i].self_attn.indexer``; V4 replaces ``self_attn.compressor.indexer`` of every
   compressed-sparse-attention (CSA) layer (the HCA and sliding layers have no indexer).
@@ -46,7 +46,8 @@ from ..config import IndexerConfig
 from ..contract.cache import PAGE_SIZE, IndexKCache
 from ..contract.validate import IndexerInputError
 from ..dispatch.target import Target, detect_target
-from ..indexer import BlockFp8Linear, Indexer, e8m0_to_float, fn_to_fnuz
+from ..contract.weights import BlockFp8Linear, e8m0_to_float, fn_to_fnuz
+from ..indexer import Indexer
 
 __all__ = ["swap_indexers", "restore_indexers", "swapped_indexers", "DeepseekV32IndexerSwap",
            "DeepseekV4IndexerSwap", "PADDED_V4_MESSAGE"]
