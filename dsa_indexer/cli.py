@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
     bench.add_argument("--repeats", type=_positive_int, default=None, help="samples per median (25 GPU, 5 CPU)")
     bench.add_argument("--batch", type=_positive_int, nargs="+", default=None, metavar="B",
-                       help="decode / topk batch sizes (default 1 32 128 on GPU, 1 4 on CPU)")
+                       help="decode / topk batch sizes (default 1 32 64 128 on GPU, 1 4 on CPU)")
     bench.add_argument("--context", type=_positive_int, nargs="+", default=None, metavar="TOKENS",
                        help="decode / topk context lengths (default 8192 32768 131072 on GPU, 1024 4096 on CPU)")
     bench.add_argument("--prefill-shapes", type=_prefill_shape, nargs="+", default=None, metavar="QxK",

@@ -7,7 +7,8 @@ Suites (``--suite``):
   step: a DeepSeek-V3.2 `Indexer` (``init_random``) decode step per pipeline strategy (the registry op
   ``indexer_pipeline``: single stream, the CUDA dual stream where it is accepted), each without and with q_lora
   reuse (attention's fp8 ``q_lora`` handed in as ``q_lora_quant``: rows named ``<strategy>+q_lora_reuse``);
-- ``topk``: top-k alone on logits of that sweep, with ``torch.topk`` as the baseline;
+- ``topk``: top-k alone on real decode logits of that sweep (the V3.2 indexer's k and q paths, paged logits), with
+  ``torch.topk`` as the baseline;
 - ``prefill``: ragged causal logits, query x key lengths;
 - ``ops``: ``lightning_indexer``, ``topk_indices`` and ``ragged_mqa_logits`` alone, at one size each.
 

@@ -11,7 +11,7 @@ from .. import ops
 
 
 SUITES = ("decode", "topk", "prefill", "ops")
-GPU_BATCHES, GPU_CONTEXTS = (1, 32, 128), (8192, 32768, 131072)
+GPU_BATCHES, GPU_CONTEXTS = (1, 32, 64, 128), (8192, 32768, 131072)  # the top-k issue's grid
 CPU_BATCHES, CPU_CONTEXTS = (1, 4), (1024, 4096)
 GPU_PREFILL = ((4096, 4096), (2048, 32768))
 CPU_PREFILL = ((128, 1024),)

@@ -247,8 +247,12 @@ def _differing_rows(got: torch.Tensor, want: torch.Tensor) -> int:
 
 
 def bench_topk(run: _Run, batch: int, context: int) -> None:
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(batch, context, generator=gen).to(run.device)
+    """Top-k on real decode logits (keys through the V3.2 indexer's k path, queries through its q path, the
+    registry's paged logits: `testing.real_decode_logits`), the distribution the engines' kernels are compared on;
+    randn rows select differently (no long tail of near-zero ReLU sums)."""
+    from ..testing import real_decode_logits
+
+    logits = real_decode_logits(batch, context, run.device, seed=1, indexer=run.indexer())[0].contiguous()
     ends = torch.full((batch,), context, dtype=torch.int32, device=run.device)
     kk = min(TOPK, context)
     bytes_moved = batch * context * 4
