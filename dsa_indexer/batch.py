@@ -230,14 +230,16 @@ class PrefillBatch:
         self._request_rows[(start, stop)] = cached
         return cached
 
-    def plan_chunks(self, budget_bytes: int, row_bytes: int = 0) -> list[tuple[int, int, int, int]]:
-        """Row chunks ``(start, stop, lo, hi)`` whose fp32 logits ``[stop - start, hi - lo]`` plus ``row_bytes`` per
-        row (the q path's intermediates) fit ``budget_bytes`` (at least one row each), from the host copies of
-        ks / ke: no device sync, no per-row Python (one binary search per chunk; ks and ke never decrease along the
-        rows, as `build` makes them). Computed once per (budget, row bytes) and shared by every layer."""
+    def plan_chunks(self, budget_bytes: int, row_bytes: int = 0, key_bytes: int = 4) -> list[tuple[int, int, int, int]]:
+        """Row chunks ``(start, stop, lo, hi)`` whose scoring memory, ``key_bytes`` per (row, key) of the chunk's
+        ``[stop - start, hi - lo]`` window (4: its fp32 logits; 0 for a scorer that never holds them) plus
+        ``row_bytes`` per row (the q path's intermediates, a fused scorer's candidates), fits ``budget_bytes`` (at
+        least one row each), from the host copies of ks / ke: no device sync, no per-row Python (one short search
+        per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed once per (budget, row
+        bytes, key bytes) and shared by every layer."""
         if self._plans is None:
             self._plans = {}
-        plan = self._plans.get((budget_bytes, row_bytes))
+        plan = self._plans.get((budget_bytes, row_bytes, key_bytes))
         if plan is not None:
             return plan
         if self.host_bounds is None:
@@ -247,25 +249,25 @@ class PrefillBatch:
         plan = []
         start = 0
         while start < rows:
-            # cost(stop) = (stop - start) * ((ke[stop - 1] - ks[start]) * 4 + row_bytes) never decreases with stop
+            # cost(stop) = (stop - start) * ((ke[stop - 1] - ks[start]) * key_bytes + row_bytes) never decreases
             # (ke is non-decreasing). The answer n = stop - start is bracketed first: every row costs at least the
             # first row's width, so n <= n_max; every row of the first n_max costs at most the last one's, so
             # n_min fits. A binary search in [n_min, n_max] (a few steps: ke barely moves within a chunk).
             base = int(ks[start])
-            first = (int(ke[start]) - base) * 4 + row_bytes
+            first = (int(ke[start]) - base) * key_bytes + row_bytes
             n_max = min(rows - start, max(1, budget_bytes // first if first > 0 else rows))
-            widest = (int(ke[start + n_max - 1]) - base) * 4 + row_bytes
+            widest = (int(ke[start + n_max - 1]) - base) * key_bytes + row_bytes
             lo = start + max(1, min(n_max, budget_bytes // widest if widest > 0 else n_max))
             hi = start + n_max
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if (mid - start) * ((int(ke[mid - 1]) - base) * 4 + row_bytes) <= budget_bytes:
+                if (mid - start) * ((int(ke[mid - 1]) - base) * key_bytes + row_bytes) <= budget_bytes:
                     lo = mid
                 else:
                     hi = mid - 1
             plan.append((start, lo, base, int(ke[lo - 1])))
             start = lo
-        self._plans[(budget_bytes, row_bytes)] = plan
+        self._plans[(budget_bytes, row_bytes, key_bytes)] = plan
         return plan
 
     @property

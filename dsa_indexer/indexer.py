@@ -478,13 +478,26 @@ class Indexer(nn.Module):
         if cache.is_plain:
             return self._forward_plain(strategy, x, q_lora, positions, batch, cache, q_lora_quant, key_store, decode)
         if not decode and batch.max_keys_per_row > self.config.topk:
-            plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
+            plan = batch.plan_chunks(self.logits_budget_bytes, *self.scoring_plan_bytes())
             if len(plan) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
                 return self._prefill_in_chunks(x, q_lora, positions, batch, cache, q_lora_quant, key_store, plan)
         q_fp8, weights = strategy(self, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         if decode:
             return self._score_decode(q_fp8, weights, batch, cache)
         return self._score_prefill(q_fp8, weights, batch, cache)
+
+    def scoring_plan_bytes(self) -> tuple[int, int]:
+        """(bytes per row, bytes per (row, key)) that a prefill chunk holds, for `PrefillBatch.plan_chunks`: the q
+        path's intermediates per row, plus what the resolved ``ragged_mqa_topk`` declares (registry info
+        ``plan_row_bytes(topk)`` / ``plan_key_bytes``); by default its fp32 logits, 4 B per key."""
+        cfg = self.config
+        problem = ops.problem("ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim,
+                              fp8="fnuz" if self.fp8_dtype == torch.float8_e4m3fnuz else "fn", k=cfg.topk)
+        res = default_registry().resolve("ragged_mqa_topk", self.target, problem)
+        info = res.chosen.info if res.chosen is not None else {}
+        row_bytes = info.get("plan_row_bytes")
+        extra = int(row_bytes(cfg.topk)) if callable(row_bytes) else int(row_bytes or 0)
+        return self.q_path_bytes_per_row() + extra, int(info.get("plan_key_bytes", 4))
 
     def q_path_bytes_per_row(self) -> int:
         """Peak bytes the q path holds per token: wq_b's bf16 output, fp32 prologue temporaries, the fp8 q, the head
@@ -595,7 +608,7 @@ class Indexer(nn.Module):
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
-        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row()):
+        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, *self.scoring_plan_bytes()):
             q_fp8, weights = q_of(start, stop)
             self._score_chunk(q_fp8, weights, keys, key_scales, batch, start, stop, lo, hi, out)
         return out

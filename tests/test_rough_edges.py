@@ -145,12 +145,45 @@ def test_plan_chunks_takes_the_largest_chunk_within_the_budget():
         pages = max(-(-(p + e) // 64) for p, e in zip(prefix, extend))
         batch = PrefillBatch.build(prefix, extend, torch.arange(3 * pages).view(3, pages))
         budget, row_bytes = rng.choice([4096, 50_000, 400_000]), rng.choice([0, 512])
+        key_bytes = rng.choice([4, 4, 0, 1])  # 0: a scorer that holds no logits (rows cost row_bytes only)
+        if key_bytes == 0 and row_bytes == 0:
+            row_bytes = 512
         ks, ke = batch.ks.tolist(), batch.ke.tolist()
         start, want = 0, []
         while start < len(ks):
             stop = start + 1
-            while stop < len(ks) and (stop + 1 - start) * ((ke[stop] - ks[start]) * 4 + row_bytes) <= budget:
+            while stop < len(ks) and (stop + 1 - start) * ((ke[stop] - ks[start]) * key_bytes + row_bytes) <= budget:
                 stop += 1
             want.append((start, stop, ks[start], ke[stop - 1]))
             start = stop
-        assert batch.plan_chunks(budget, row_bytes) == want
+        assert batch.plan_chunks(budget, row_bytes, key_bytes) == want
+
+
+def test_a_fused_scorer_plans_prefill_chunks_by_its_own_memory():
+    """Forced to the fused Triton top-k (no [rows, keys] logits), the Indexer plans chunks by the kernel's declared
+    per-row scratch instead of 4 B per key: a 1M-token prefill at the default 2 GiB budget takes ~15x fewer chunks."""
+    from dsa_indexer import Indexer, IndexerConfig, PrefillBatch
+    from dsa_indexer.dispatch.environment import Environment
+    from dsa_indexer.dispatch.plugins import default_registry
+
+    pytest.importorskip("triton")
+    reg = default_registry()
+    previous = reg.environment
+    reg.set_environment(Environment.simulated(gpu=True, triton=True))
+    try:
+        indexer = Indexer(IndexerConfig.deepseek_v32(), target="sm90")
+        tokens = 1 << 20
+        pages = tokens // 64 + 1
+        batch = PrefillBatch.build([0], [tokens], torch.arange(pages).view(1, pages).int())
+        row_bytes, key_bytes = indexer.scoring_plan_bytes()
+        assert (row_bytes, key_bytes) == (indexer.q_path_bytes_per_row(), 4)  # the composition: the logits
+        composed = batch.plan_chunks(indexer.logits_budget_bytes, row_bytes, key_bytes)
+        reg.force("ragged_mqa_topk", "ragged_mqa_topk.triton.fused_topk")
+        row_bytes, key_bytes = indexer.scoring_plan_bytes()
+        assert key_bytes == 0 and row_bytes == indexer.q_path_bytes_per_row() + 8 * (4 * 2048 + 2048) + 516
+        fused = batch.plan_chunks(indexer.logits_budget_bytes, row_bytes, key_bytes)
+        assert len(fused) * 10 < len(composed), (len(fused), len(composed))
+        assert all((stop - start) * row_bytes <= indexer.logits_budget_bytes for start, stop, _, _ in fused)
+    finally:
+        reg.force("ragged_mqa_topk", None)
+        reg.set_environment(previous)

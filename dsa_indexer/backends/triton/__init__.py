@@ -64,6 +64,22 @@ def _supports(op: str):
     return check
 
 
+class _FusedRowBytes:
+    """The fused top-k's device bytes per row for a given topk (`fused_topk.scratch_bytes_per_row`), as registry
+    info the Indexer plans prefill chunks by; its repr is what `dsa-indexer explain` prints."""
+
+    def __call__(self, topk: int) -> int:
+        from .fused_topk import scratch_bytes_per_row  # imports triton: only when the Indexer plans with it
+
+        return scratch_bytes_per_row(topk)
+
+    def __repr__(self) -> str:
+        return "8 * (candidates 4k + pow2(k)) + 516 bytes per row (k = topk; 80 KiB at 2048), no logits"
+
+
+_fused_row_bytes = _FusedRowBytes()
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     from ...contract.quant import GEMM_INPUT_LAYOUT
@@ -78,5 +94,6 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             supports=_supports("ragged_mqa_topk"),
-                            description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits"
+                            description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits",
+                            info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes}
                             )(_factory("fused_topk", "ragged_mqa_topk"))

@@ -461,6 +461,16 @@ def fused_ragged_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.
     return out
 
 
+def scratch_bytes_per_row(topk: int, capacity: int | None = None) -> int:
+    """Device bytes one row of `fused_ragged_topk` holds at once, whatever its width: the int64 candidate buffer
+    (``capacity``, default 4 * topk, rounded up to a key block of at most 128) and the pow2(topk) selected keys, plus
+    its sub-buffer counters and threshold (~80 KiB for topk 2048). What the Indexer plans prefill chunks by when
+    this kernel scores them (no [rows, keys] logits: about 16x more rows per chunk than the logits' 4 B per key)."""
+    cap = 4 * topk if capacity is None else capacity
+    cap = -(-cap // 128) * 128
+    return 8 * (cap + _next_pow2(topk)) + 4 * 128 + 4
+
+
 def ragged_mqa_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                     ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
     """The op ``ragged_mqa_topk`` (a set per row, like ``topk_indices``): `fused_ragged_topk` without its sort."""
