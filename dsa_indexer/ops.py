@@ -75,17 +75,20 @@ def _parsed(name: str) -> Target:
     return target
 
 
-def _target_name(target: Target | str | None) -> str | None:
-    """The explicit target as the string the custom ops carry (a Target prints as its parseable arch name)."""
+def _target_name(target: Target | str | None) -> Target | str | None:
+    """The explicit target as an op body takes it: the `Target` itself in eager mode (no round trip through its
+    name), its parseable arch name while torch.compile traces (the custom ops' schema carries a str)."""
     if target is None or isinstance(target, str):
         return target
     if not isinstance(target, Target):
         raise v.IndexerInputError(f"target must be a Target, an arch name such as 'sm90', or None; got "
                                   f"{type(target).__name__}")
-    return str(target)
+    return str(target) if _compiling() else target
 
 
-def _target_for(anchor: torch.Tensor, target: str | None) -> Target:
+def _target_for(anchor: torch.Tensor, target: Target | str | None) -> Target:
+    if isinstance(target, Target):
+        return target
     return target_of_tensor(anchor, _parsed(target) if target is not None else None)
 
 
