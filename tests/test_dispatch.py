@@ -237,3 +237,16 @@ def test_an_installed_vendor_library_that_fails_its_probe_warns_once():
         env2.missing("fake_vendor_lib")  # once per process
         Environment(probes={"absent_lib": lambda: "not installed"},
                     libraries={"absent_lib": "no_such_module_here"}).missing("absent_lib")
+
+
+def test_a_supports_check_may_report_every_failing_fact_at_once():
+    reg = Registry(environment=Environment.simulated(torch_npu=True))
+    from dsa_indexer.dispatch.plugins import load_plugins
+
+    load_plugins(reg, entry_points=False)
+    res = reg.resolve("lightning_indexer_ragged", Target("npu", "npu"), Problem(heads=16, k=4096, format="bf16"))
+    reason = next(c.reason for c in res.candidates if c.impl.impl_id == "lightning_indexer_ragged.npu.torch_npu")
+    assert reason == ("heads=16: torch_npu's indexers take 64 query heads; k=4096: torch_npu's sparse_count is "
+                      "1..2048")
+    ok = reg.resolve("lightning_indexer_ragged", Target("npu", "npu"), Problem(heads=64, k=2048, format="bf16"))
+    assert ok.chosen.impl_id == "lightning_indexer_ragged.npu.torch_npu"  # an empty list says yes

@@ -30,7 +30,7 @@ STRICT_ENV = "DSA_INDEXER_STRICT"
 
 REFERENCE_VENDOR = "reference"
 
-Check = Callable[..., "str | None"]
+Check = Callable[..., "str | list[str] | None"]  # None: yes; else the reason (a list: every failing fact)
 
 
 @dataclass(frozen=True, eq=False)
@@ -373,6 +373,8 @@ class Registry:
                 return reason
         if impl.supports is not None:
             reason = impl.supports(problem, target)
+            if isinstance(reason, (list, tuple)):  # a check may report every failing fact at once
+                reason = "; ".join(reason) or None
             if reason is not None:
                 return reason
         return None

@@ -96,15 +96,17 @@ def detected_api() -> npu_api.NpuApi:
     return api
 
 
-def _indexer_supports(problem: Problem, target: Target) -> str | None:
+def _indexer_supports(problem: Problem, target: Target) -> list[str]:
+    """Every shape fact torch_npu's indexers cannot take (an empty list: all can)."""
     heads, dim, k = problem.get("heads"), problem.get("dim"), problem.get("k")
+    reasons = []
     if heads not in (None, HEADS):
-        return f"heads={heads}: torch_npu's indexers take {HEADS} query heads"
+        reasons.append(f"heads={heads}: torch_npu's indexers take {HEADS} query heads")
     if dim not in (None, HEAD_DIM):
-        return f"head dim {dim}: torch_npu's indexers take {HEAD_DIM}"
+        reasons.append(f"head dim {dim}: torch_npu's indexers take {HEAD_DIM}")
     if k is not None and not 1 <= k <= MAX_K:
-        return f"k={k}: torch_npu's sparse_count is 1..{MAX_K}"
-    return None
+        reasons.append(f"k={k}: torch_npu's sparse_count is 1..{MAX_K}")
+    return reasons
 
 
 # What was checked: op-plugin's published schemas (master 517f2e7d, branches 7.3.0, 26.0.0, 26.1.0) of both indexers
