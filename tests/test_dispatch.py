@@ -250,3 +250,13 @@ def test_a_supports_check_may_report_every_failing_fact_at_once():
                       "1..2048")
     ok = reg.resolve("lightning_indexer_ragged", Target("npu", "npu"), Problem(heads=64, k=2048, format="bf16"))
     assert ok.chosen.impl_id == "lightning_indexer_ragged.npu.torch_npu"  # an empty list says yes
+
+
+def test_the_aiter_paged_check_reports_next_n_and_heads_together():
+    from dsa_indexer.dispatch.plugins import load_plugins
+
+    reg = Registry(environment=Environment.simulated(gpu=True, triton=True, aiter=True))
+    load_plugins(reg, entry_points=False)
+    res = reg.resolve("paged_mqa_logits", Target("rocm", "gfx950"), Problem(heads=96, dim=128, next_n=2, fp8="fn"))
+    reason = next(c.reason for c in res.candidates if c.impl.impl_id == "paged_mqa_logits.rocm.aiter")
+    assert reason.startswith("next_n=2: ") and "; heads=96: " in reason

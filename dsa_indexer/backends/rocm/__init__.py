@@ -73,17 +73,18 @@ def _arch_checks(problem: Problem, target: Target, what: str) -> str | None:
     return None
 
 
-def _ragged_supports(problem: Problem, target: Target) -> str | None:
+def _ragged_supports(problem: Problem, target: Target) -> str | list[str]:
     reason = _arch_checks(problem, target, "fp8_mqa_logits")
     if reason:
         return reason
+    reasons = []  # every shape fact the adapter cannot take, at once
     dim = problem.get("dim")
     if dim is not None and dim != HEAD_DIM:
-        return f"head dim {dim}: the aiter adapter takes {HEAD_DIM} (the cache layout's)"
+        reasons.append(f"head dim {dim}: the aiter adapter takes {HEAD_DIM} (the cache layout's)")
     heads = problem.get("heads")
     if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
-        return f"heads={heads}: aiter's fp8_mqa_logits needs a power of two, and tl.dot 16..128 rows"
-    return None
+        reasons.append(f"heads={heads}: aiter's fp8_mqa_logits needs a power of two, and tl.dot 16..128 rows")
+    return reasons
 
 
 def _topk_supports(problem: Problem, target: Target) -> str | None:
@@ -148,22 +149,23 @@ def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
     return None
 
 
-def _paged_supports(problem: Problem, target: Target) -> str | None:
+def _paged_supports(problem: Problem, target: Target) -> str | list[str]:
     if target.arch == "gfx1250":
         return ("gfx1250: not enabled (aiter's own gfx1250 paged path takes KVBlockSize 1 without preshuffle, and "
                 "its plain Triton kernel has not been run there); the library's Triton kernel serves it")
     reason = _arch_checks(problem, target, "deepgemm_fp8_paged_mqa_logits")
     if reason:
         return reason
+    reasons = []  # every shape fact the kernel cannot take, at once
     if problem.get("next_n") not in (None, 1):
-        return (f"next_n={problem.get('next_n')}: aiter's paged kernel derives the rows' lengths from one length "
-                "per request (causal next_n), not the per-row lengths of this op")
+        reasons.append(f"next_n={problem.get('next_n')}: aiter's paged kernel derives the rows' lengths from one "
+                       "length per request (causal next_n), not the per-row lengths of this op")
     if problem.get("dim") not in (None, HEAD_DIM):
-        return f"head dim {problem.get('dim')}: the cache layout's is {HEAD_DIM}"
+        reasons.append(f"head dim {problem.get('dim')}: the cache layout's is {HEAD_DIM}")
     heads = problem.get("heads")
     if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
-        return f"heads={heads}: aiter's paged kernel tiles all heads in one tl.dot (a power of two, 16..128)"
-    return None
+        reasons.append(f"heads={heads}: aiter's paged kernel tiles all heads in one tl.dot (a power of two, 16..128)")
+    return reasons
 
 
 def _paged_factory():
