@@ -26,6 +26,8 @@ reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (n
 
 from __future__ import annotations
 
+import torch
+
 from ...dispatch.environment import Environment
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
@@ -39,7 +41,13 @@ __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "
 AITER_PRIORITY = 200
 TOPK_PRIORITY = 50  # below Triton's deterministic top-k (100): see topk.py on ties
 AITER_TARGETS = ("gfx942", "gfx950", "gfx1250")
-FP8_BY_ARCH = {"gfx942": "fnuz", "gfx950": "fn", "gfx1250": "fn"}
+
+
+def _fp8_flavour(target: Target) -> str:
+    """The target's fp8 flavour as problems name it ("fn" / "fnuz"), from its platform (one arch table)."""
+    return "fnuz" if target.fp8_dtype == torch.float8_e4m3fnuz else "fn"
+
+
 HEAD_DIM = 128
 TOPK = 2048
 
@@ -66,7 +74,7 @@ def _arch_checks(problem: Problem, target: Target, what: str) -> str | None:
         return (f"gfx1250: no public integration runs aiter's {what} there and it has not been run there; "
                 "not enabled")
     fp8 = problem.get("fp8")
-    want = FP8_BY_ARCH.get(target.arch)
+    want = _fp8_flavour(target)
     if fp8 is not None and want is not None and fp8 != want:
         return (f"fp8={fp8} on {target.arch}: aiter there takes float8_e4m3{want} (aiter.dtypes.fp8); "
                 "fn and fnuz operands are never mixed")
@@ -179,7 +187,7 @@ def _gemm_supports(problem: Problem, target: Target) -> str | None:
     if out is not None and out not in ("torch.bfloat16", "torch.float16"):
         return f"out={out}: aiter's gemm_a8w8_blockscale writes bf16 or fp16"
     fp8 = problem.get("fp8")
-    want = FP8_BY_ARCH.get(target.arch)
+    want = _fp8_flavour(target)
     if fp8 is not None and want is not None and fp8 != want:
         return f"fp8={fp8} on {target.arch}: aiter there takes float8_e4m3{want} (aiter.dtypes.fp8)"
     return None
