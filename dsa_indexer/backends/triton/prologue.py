@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_BYTES, PAGE_SIZE, page_views
-from .quant import abs_max, fp8_group_scale, fp8_max, fp8_min_exp, interpreted, nan_maximum, quantize_groups
+from .quant import (abs_max, fp8_group_scale, fp8_max, fp8_min_exp, interpreted, nan_maximum, quantize_groups,
+                    round_to_dtype_grid, round_to_fp8_grid)
 
 HEAD_DIM = 128
 _NORMS = {"none": 0, "layernorm": 1, "rmsnorm": 2}
@@ -426,3 +427,162 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
                                    PAGE=PAGE_SIZE, PAGE_KEY_STRIDE=PAGE_BYTES, PAGE_SCALE_STRIDE=PAGE_BYTES // 4,
                                    D=d, BLOCK_M=block_m, INTERPRET=interpreted(_k_prologue_store_kernel),
                                    num_warps=warps)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# q_prologue_fp4: V4's FP4 q recipe, bit-identical to the reference composition (`dsa_indexer.fp4`)
+#
+# Every step is a fixed sequence of correctly rounded fp32 operations, so the result does not depend on the
+# device: RoPE as separate multiplies and one add per element (the launch disables FMA contraction, which would
+# round a*c - b*s once instead of three times), the Hadamard as the radix-2 butterflies of the fast transform in
+# the reference's order (`fp4.hadamard_fwht`) and not as a dot (whose summation order is the hardware's), the
+# power-of-two scales from the fp32 bits, the e2m1 rounding with the 2^23 trick (round half to even).
+FP4_MAX = 6.0
+FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
+FP4_INV_MAX = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))  # 1/6 as fp32, what the reference multiplies by
+_FOLD_SHIFT = {torch.float8_e4m3fn: 6, torch.float8_e4m3fnuz: 5}  # `fp4_fold_shift`: 6 * 2^shift <= the fp8 max
+
+
+@triton.jit
+def _rope_rows(x, row_ptr, cs_row, rmask, cols, ROPE_OFF: tl.constexpr, ROPE_DIM: tl.constexpr,
+               INTERLEAVED: tl.constexpr):
+    """RoPE of a [BLOCK_M, D] fp32 tile as the reference computes it: ``a*cos - b*sin`` / ``b*cos + a*sin``, each
+    product and the sum rounded separately; the partner of each element is re-read from global memory (an L1
+    hit). Dims outside the rotated range keep their value bit for bit (-0.0 included)."""
+    HALF: tl.constexpr = ROPE_DIM // 2
+    in_rope, partner, sign, freq = _rope_plan(cols, ROPE_OFF, ROPE_DIM, INTERLEAVED)
+    m = rmask[:, None] & in_rope[None, :]
+    xp = tl.load(row_ptr + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    cos = tl.load(cs_row + freq[None, :], mask=m, other=1.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + freq[None, :], mask=m, other=0.0).to(tl.float32)
+    # sign * (xp * sin) is exactly -(b*sin) or +(a*sin): x*cos + (-(b*sin)) == x*cos - b*sin in IEEE arithmetic.
+    rotated = x * cos + sign[None, :] * (xp * sin)
+    return tl.where(in_rope[None, :], rotated, x)
+
+
+@triton.jit
+def _fwht_rows(x, BLOCK_M: tl.constexpr, D: tl.constexpr, LOG_D: tl.constexpr):
+    """The unnormalized Walsh-Hadamard transform of each row of ``x`` [BLOCK_M, D] (Sylvester order).
+
+    Constant-geometry form: every stage adds and subtracts neighbours (2i, 2i+1) and writes the sums to the first
+    half, the differences to the second. Stage s combines the bit s of the original index, the same pairs and the
+    same ``a + b`` / ``a - b`` (a: the bit-0 partial) as the in-place transform with stride 2^s, so every output
+    is the same tree of fp32 additions as `fp4.hadamard_fwht`."""
+    for _ in tl.static_range(LOG_D):
+        a, b = tl.split(tl.reshape(x, [BLOCK_M, D // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), [BLOCK_M, D])
+    return x
+
+
+@triton.jit
+def _pow2_round_up(s):
+    """The smallest power of two >= ``s`` (a positive normal fp32), from the bits; NaN stays NaN."""
+    bits = s.to(tl.int32, bitcast=True)
+    exp_bits = bits & 0x7F800000
+    up = tl.where((bits & 0x7FFFFF) != 0, exp_bits + 0x800000, exp_bits)
+    return tl.where(s != s, s, up.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round_to_e2m1(v):
+    """``v`` (|v| <= 6 or NaN) to the nearest e2m1 point, ties to the even code (`round_to_e2m1`): |v| in units
+    of the grid spacing (0.5 below 2, 1 below 4, 2 up to 6; exact power-of-two scalings) rounded half to even by
+    adding and subtracting 2^23, the sign copied from the bits (-0.0 stays -0.0)."""
+    mag = tl.abs(v)
+    inv_step = tl.where(mag < 2.0, 2.0, tl.where(mag < 4.0, 1.0, 0.5))
+    step = tl.where(mag < 2.0, 0.5, tl.where(mag < 4.0, 1.0, 2.0))
+    rounded = ((mag * inv_step + 8388608.0) - 8388608.0) * step
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q_prologue_fp4_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_rows, heads, cs_stride,
+                           hw_stride, weight_scale, hadamard_scale,
+                           ROPE_OFF: tl.constexpr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                           D: tl.constexpr, LOG_D: tl.constexpr, BLOCK: tl.constexpr, FOLD_SHIFT: tl.constexpr,
+                           MIN_EXP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
+                           BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+    NB: tl.constexpr = D // BLOCK
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, head) rows of q [T*H, D]
+    rmask = rows < n_rows
+    cols = tl.arange(0, D)
+    pos = tl.load(pos_ptr + rows // heads, mask=rmask, other=0).to(tl.int64)
+    row_ptr = q_ptr + rows[:, None] * D
+    x = tl.load(row_ptr + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+
+    # 1. RoPE, rounded to q's dtype (DeepSeek rotates q in place).
+    x = _rope_rows(x, row_ptr, cs_ptr + pos[:, None] * cs_stride, rmask, cols, ROPE_OFF, ROPE_DIM, INTERLEAVED)
+    x = round_to_dtype_grid(x, q_ptr.dtype.element_ty, INTERPRET).to(q_ptr.dtype.element_ty).to(tl.float32)
+    # 2. The orthonormal Hadamard: butterflies, then one multiply by fp32(D^-0.5); rounded to bf16.
+    y = _fwht_rows(x, BLOCK_M, D, LOG_D) * hadamard_scale
+    y = round_to_dtype_grid(y, tl.bfloat16, INTERPRET).to(tl.bfloat16).to(tl.float32)
+    # 3. FP4 e2m1 per block: scale = 2^ceil(log2(max(amax, floor) * fp32(1/6))), values = e2m1(clamp(y / scale)).
+    yb = tl.reshape(y, [BLOCK_M, NB, BLOCK])
+    amax = nan_maximum(abs_max(yb, 2), AMAX_FLOOR)
+    scale = _pow2_round_up(amax * INV_MAX)  # [BLOCK_M, NB]
+    v = tl.math.div_rn(yb, scale[:, :, None])
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -FP4_MAX), FP4_MAX))
+    values = _round_to_e2m1(v)
+    # 4. The fold into fp8: one power-of-two row scale (the largest block scale * 2^-shift), each block's values
+    #    times scale / row (a power of two; exact in e4m3 unless a block sits more than 2^14 below the row's top).
+    smax = tl.max(scale, axis=1)
+    smax = tl.where(tl.max((scale != scale).to(tl.int32), axis=1) > 0, float("nan"), smax)
+    row_scale = smax * (2.0 ** -FOLD_SHIFT)
+    ratio = tl.math.div_rn(scale, row_scale[:, None])
+    folded = tl.reshape(values * ratio[:, :, None], [BLOCK_M, D])
+    if INTERPRET:
+        folded = round_to_fp8_grid(folded, MIN_EXP)  # the interpreter's fp8 cast does not round to nearest even
+    tl.store(q_out_ptr + rows[:, None] * D + cols[None, :], folded.to(q_out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+    # 5. weights = head_weights * weight_scale * row_scale, in that order (the reference's).
+    hw = tl.load(hw_ptr + (rows // heads) * hw_stride + rows % heads, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(w_out_ptr + rows, (hw * weight_scale) * row_scale, mask=rmask)
+
+
+def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                        weight_scale: float, rope_offset: int, interleaved: bool, block: int,
+                        q_fp8: torch.Tensor, weights: torch.Tensor) -> None:
+    """`q_prologue_fp4` into caller-given outputs (``q_fp8`` [T, H, D] fp8, ``weights`` [T, H] fp32, contiguous):
+    the tests hand in poisoned buffers to see that every element is written."""
+    t, h, d = q.shape
+    if d & (d - 1) or d > 256:
+        raise ValueError(f"the Triton q_prologue_fp4 takes a power-of-two head dim up to 256, got {d}")
+    if block & (block - 1) or d % block:
+        raise ValueError(f"the FP4 block must be a power of two dividing the head dim {d}, got {block}")
+    if q_fp8.dtype not in _FOLD_SHIFT:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {q_fp8.dtype}")
+    n_rows = t * h
+    if n_rows == 0:
+        return
+    if head_weights.stride(1) != 1:
+        head_weights = head_weights.contiguous()
+    cos_sin = cos_sin.contiguous()
+    block_m = 16 if n_rows >= 16 * 1024 else 8
+    grid = (triton.cdiv(n_rows, block_m),)
+    hadamard_scale = float(torch.tensor(d ** -0.5, dtype=torch.float32))
+    _q_prologue_fp4_kernel[grid](q.contiguous(), positions.contiguous(), cos_sin, head_weights, q_fp8, weights,
+                                 n_rows, h, cos_sin.stride(0), head_weights.stride(0), float(weight_scale),
+                                 hadamard_scale, ROPE_OFF=int(rope_offset), ROPE_DIM=cos_sin.shape[1],
+                                 INTERLEAVED=bool(interleaved), D=d, LOG_D=d.bit_length() - 1, BLOCK=int(block),
+                                 FOLD_SHIFT=_FOLD_SHIFT[q_fp8.dtype], MIN_EXP=fp8_min_exp(q_fp8.dtype),
+                                 AMAX_FLOOR=FP4_AMAX_FLOOR, INV_MAX=FP4_INV_MAX, BLOCK_M=block_m,
+                                 INTERPRET=interpreted(_q_prologue_fp4_kernel), num_warps=4,
+                                 enable_fp_fusion=False)
+
+
+def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                   weight_scale: float, rope_offset: int = 0, interleaved: bool = False, block: int = 32,
+                   fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's FP4 q prologue of q [T, H, D] in one launch: RoPE (rounded to q's dtype), the Hadamard (rounded to
+    bf16), e2m1 per ``block`` with power-of-two scales, folded into fp8 with one power-of-two row scale.
+
+    Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * row_scale)``, bit-identical to
+    the reference (`backends/reference/kernels.py`) when its Hadamard is the butterfly transform."""
+    t, h, d = q.shape
+    q_fp8 = torch.empty((t, h, d), dtype=fp8_dtype, device=q.device)
+    weights = torch.empty((t, h), dtype=torch.float32, device=q.device)
+    q_prologue_fp4_into(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, block, q_fp8,
+                        weights)
+    return q_fp8, weights
