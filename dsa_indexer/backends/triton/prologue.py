@@ -437,7 +437,7 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
 # round a*c - b*s once instead of three times), the Hadamard as the radix-2 butterflies of the fast transform in
 # the reference's order (`fp4.hadamard_fwht`) and not as a dot (whose summation order is the hardware's), the
 # power-of-two scales from the fp32 bits, the e2m1 rounding with the 2^23 trick (round half to even).
-FP4_MAX = 6.0
+FP4_MAX = tl.constexpr(6.0)  # a constexpr global: the kernel reads it
 FP4_AMAX_FLOOR = 6.0 * 2.0 ** -126
 FP4_INV_MAX = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))  # 1/6 as fp32, what the reference multiplies by
 _FOLD_SHIFT = {torch.float8_e4m3fn: 6, torch.float8_e4m3fnuz: 5}  # `fp4_fold_shift`: 6 * 2^shift <= the fp8 max
