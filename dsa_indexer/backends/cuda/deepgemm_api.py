@@ -19,6 +19,8 @@ RAGGED_NEW, RAGGED_LEGACY = "fp8_fp4_mqa_logits", "fp8_mqa_logits"
 GEMM_NAMES = ("fp8_fp4_gemm_nt", "fp8_gemm_nt", "gemm_fp8_fp8_bf16_nt")
 METADATA = "get_paged_mqa_logits_metadata"
 SM90_RECIPE = (1, 128, 128)  # per-token groups of 128 for a, 128x128 blocks for b
+SM100_RECIPE = (1, 1, 128)  # sm100 with packed ue8m0 scales: per-row groups of 128 for a AND b (b broadcast)
+FP4_LOGITS_BLOCK = 32  # DeepGEMM's FP4 logits read e2m1 with one ue8m0 scale per 32 (4 per int32 at D=128)
 INSTALL_HINT = ("pip install sgl-deep-gemm (a build made against this torch version), or install DeepGEMM by its "
                 "own instructions: https://github.com/deepseek-ai/DeepGEMM (README, installation)")
 JIT_CACHE_ENV = "DG_JIT_CACHE_DIR"  # DeepGEMM's own knob: where its JIT keeps the kernels it compiled
