@@ -522,7 +522,10 @@ def _q_prologue_fp4_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr,
     yb = tl.reshape(y, [BLOCK_M, NB, BLOCK])
     amax = nan_maximum(abs_max(yb, 2), AMAX_FLOOR)
     scale = _pow2_round_up(amax * INV_MAX)  # [BLOCK_M, NB]
-    v = tl.math.div_rn(yb, scale[:, :, None])
+    # y / scale as y times the exact reciprocal of the power of two (2^(127 - e) from the bits: scale <= 2^126 for
+    # finite bf16 y): both are the one rounding of the same real, without a division per element.
+    inv_scale = ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    v = tl.where(scale[:, :, None] != scale[:, :, None], float("nan"), yb * inv_scale[:, :, None])
     v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -FP4_MAX), FP4_MAX))
     values = _round_to_e2m1(v)
     # 4. The fold into fp8: one power-of-two row scale (the largest block scale * 2^-shift), each block's values
@@ -539,6 +542,11 @@ def _q_prologue_fp4_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr,
     # 5. weights = head_weights * weight_scale * row_scale, in that order (the reference's).
     hw = tl.load(hw_ptr + (rows // heads) * hw_stride + rows % heads, mask=rmask, other=0.0).to(tl.float32)
     tl.store(w_out_ptr + rows, (hw * weight_scale) * row_scale, mask=rmask)
+
+
+def _fp4_rows_config(n_rows: int) -> tuple[int, int]:
+    """(rows per program, num_warps) of the FP4 q prologue."""
+    return (16, 4) if n_rows >= 16 * 1024 else (8, 4)
 
 
 def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
@@ -559,7 +567,7 @@ def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch
     if head_weights.stride(1) != 1:
         head_weights = head_weights.contiguous()
     cos_sin = cos_sin.contiguous()
-    block_m = 16 if n_rows >= 16 * 1024 else 8
+    block_m, warps = _fp4_rows_config(n_rows)
     grid = (triton.cdiv(n_rows, block_m),)
     hadamard_scale = float(torch.tensor(d ** -0.5, dtype=torch.float32))
     _q_prologue_fp4_kernel[grid](q.contiguous(), positions.contiguous(), cos_sin, head_weights, q_fp8, weights,
@@ -568,7 +576,7 @@ def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch
                                  INTERLEAVED=bool(interleaved), D=d, LOG_D=d.bit_length() - 1, BLOCK=int(block),
                                  FOLD_SHIFT=_FOLD_SHIFT[q_fp8.dtype], MIN_EXP=fp8_min_exp(q_fp8.dtype),
                                  AMAX_FLOOR=FP4_AMAX_FLOOR, INV_MAX=FP4_INV_MAX, BLOCK_M=block_m,
-                                 INTERPRET=interpreted(_q_prologue_fp4_kernel), num_warps=4,
+                                 INTERPRET=interpreted(_q_prologue_fp4_kernel), num_warps=warps,
                                  enable_fp_fusion=False)
 
 
