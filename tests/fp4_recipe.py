@@ -1,7 +1,12 @@
 """V4's FP4 q recipe written for the tests from its description (not the library's code path): RoPE rounded to q's
 dtype, the orthonormal Hadamard as the radix-2 butterfly transform (stride 1, 2, ..., D/2, fp32 adds) times
 fp32(D^-0.5), rounded to bf16, then the reference's e2m1 quant (`quant_fp4_e2m1`) and fold (`fold_fp4_to_fp8`);
-weights = head_weights * weight_scale * row_scale. Used by the Triton FP4 prologue tests (CPU and H200)."""
+weights = head_weights * weight_scale * row_scale. Used by the Triton FP4 prologue tests (CPU and H200).
+
+The butterfly order is what makes the recipe device-independent (every operation is one correctly rounded fp32 add,
+subtract or multiply); the library's torch reference (`backends/reference/kernels.rotate_quant_fp4`) computes the same
+Hadamard as ``x.float() @ hadamard_matrix(D)``, whose summation order is the BLAS's (1-4 codes per million differ on
+the H200). Replacing that matmul by `rotate_bf16` below makes the reference bit-identical to the Triton kernel."""
 
 import torch
 

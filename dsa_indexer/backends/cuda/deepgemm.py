@@ -33,7 +33,15 @@ Output contracts (the reference's):
   is a view with a padded row stride, so the adapter returns a contiguous copy: custom-op fakes and callers may
   assume contiguity. (Returning the view would save one copy of the logits; every top-k here honours the row
   stride, but torch.compile's fake kernels promise contiguous outputs.)
-- gemm: fresh [M, N] bf16 (DeepGEMM writes into a tensor the adapter allocates).
+- gemm: fresh [M, N] bf16 (DeepGEMM writes into a tensor the adapter allocates). On sm100 DeepGEMM reads packed
+  ue8m0 scales (int32 words of four exponent bytes, MN-major, TMA-aligned; b per row) and would convert fp32 ones by
+  keeping their exponents only; the adapter packs power-of-two scales itself and refuses others by name
+  (`deepgemm_kernels.pack_ue8m0`). The registration still declines sm100 (its problem does not carry the scale format).
+
+FP4 (DeepSeek-V4's indexer recipe): ``fp8_fp4_mqa_logits`` / ``fp8_fp4_paged_mqa_logits`` take packed e2m1 with
+packed ue8m0 block scales when q's scale tensor is given, on sm100 only (DeepGEMM 54e2261, csrc/apis/attention.hpp).
+`deepgemm_kernels.make_fp4_ragged_mqa_logits` adapts the ragged one to the library's folded FP4 rows; it is not
+registered (docs/v4.md says why), and the paged one needs a 68-byte cache layout the library does not have.
 """
 
 from __future__ import annotations
