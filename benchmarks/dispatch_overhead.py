@@ -60,7 +60,7 @@ def main() -> int:
     direct = per_call_us(lambda: impl(logits, 4, ends, None, None, None))
     via_registry = per_call_us(lambda: registry.call("topk_indices", target, problem, logits, 4, ends, None, None,
                                                      None))
-    via_custom_op_body = per_call_us(lambda: ops._topk_indices_impl(logits, 4, ends, None, None, None))
+    via_custom_op_body = per_call_us(lambda: ops.topk_indices.run(logits, 4, ends, None, None, None))
     via_public = per_call_us(lambda: ops.topk_indices(logits, 4, ends))
     rows = {
         "direct implementation call": direct,

@@ -8,16 +8,17 @@ into the head weights as the fp8 one does. Scores are then fp32 sums of exact pr
 einsum to bf16, which only moves near-ties). Numerics follow DeepSeek's code point by point: RoPE'd q rounded to
 bf16, the Hadamard's output rounded to bf16, then the FP4 quant (see `quant_fp4_e2m1` for the rounding).
 
-The quant is written as torch tensor ops (elementwise + one 128 x 128 matmul), so it runs on any device; it is not a
-registry op yet (docs/v4.md says what a dedicated kernel would add).
+The q side is the registry op `ops.q_prologue_fp4` (RoPE, Hadamard, quant, fold in one call; its reference is
+`backends/reference/kernels.py`); the helpers here are the same torch tensor ops (elementwise + one 128 x 128
+matmul), for the compressor's keys and for tests, on any device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backends.reference.kernels import (dequant_fp4_e2m1, fold_fp4_to_fp8, hadamard_matrix, quant_fp4_e2m1,
-                                         rmsnorm)
+from .backends.reference.kernels import (dequant_fp4_e2m1, fold_fp4_to_fp8, quant_fp4_e2m1, rmsnorm,
+                                         rotate_quant_fp4)
 
 __all__ = ["rotate_quant_fp4", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1", "fold_fp4_to_fp8",
            "normed_key"]
@@ -26,17 +27,6 @@ __all__ = ["rotate_quant_fp4", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1
 def fp4_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """``x`` [..., D] after DeepSeek's FP4 simulation (quantize, dequantize): fp32, exact in bf16."""
     return dequant_fp4_e2m1(*quant_fp4_e2m1(x, block))
-
-
-def rotate_quant_fp4(x: torch.Tensor, block: int = 32, fp8_dtype: torch.dtype = torch.float8_e4m3fn
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hadamard (orthonormal, along the last dim; output rounded to bf16 as DeepSeek's ``rotate_activation``), FP4
-    e2m1 quant per ``block``, folded into fp8: ``(fp8 like x, row scale [...] fp32)``."""
-    if x.shape[-1] % block:
-        raise ValueError(f"the last dim {x.shape[-1]} must be a multiple of the FP4 block {block}")
-    rotated = (x.float() @ hadamard_matrix(x.shape[-1], x.device)).to(torch.bfloat16)
-    values, scales = quant_fp4_e2m1(rotated, block)
-    return fold_fp4_to_fp8(values, scales, fp8_dtype)
 
 
 def normed_key(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,70 +1,49 @@
-"""The public ops: validate, describe the problem, let the registry pick the implementation, run it.
+"""The public ops, each declared once: `declare` on the op's public function is the whole declaration.
 
-Each op is also a `torch.library` custom op ``dsa_indexer::<op>`` with a fake (meta) implementation, so a model
-that calls the indexer can be traced by `torch.compile`; resolution then runs inside the op at run time
-(cached), never at trace time. In eager mode the public functions call the registry directly, which keeps
-the per-call overhead to a dict lookup (see benchmarks/dispatch_overhead.py).
+A declaration gives the custom-op schema (the arguments every implementation takes, in order), the problem facts
+(expressions over those arguments: what may change which implementation serves a call), what the op mutates and
+its fake (meta) result. The decorated function checks and normalizes the caller's arguments and returns them in
+the schema's order. From that, `declare` generates:
+- the ``dsa_indexer::<op>`` custom op with its fake, so a model that calls the indexer traces under `torch.compile`
+  (resolution then runs inside the op at run time, cached, never at trace time);
+- the op body: the interned `Problem` of the call (a tuple and a dict lookup), the target, the registry's cached
+  implementation (`Registry.call`);
+- the public function: validation, then the op body directly in eager mode (per-call overhead: a dict lookup, see
+  benchmarks/dispatch_overhead.py) or the custom op while compiling;
+- the op's entry in `contract.specs.DECLARED` (the CLI's facts table, the ops a plugin may implement).
+Adding an op: one declared function here, its reference implementation in `backends/reference/kernels.py`
+(docs/architecture.md, "Adding an op").
 
 Shapes: T tokens, H index heads, D = 128 head dim, B requests, N = next_n, K = q_lora_rank.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from .contract import validate as v
 from .contract.cache import PAGE_SIZE, check_kv_cache
+from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
+from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
+from .contract.specs import declare as _record
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
-from .contract.specs import PIPELINE_OP, PROBLEM_KEYS, SPECS  # noqa: F401 (PIPELINE_OP: re-exported)
-from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 
 NORMS = ("layernorm", "rmsnorm", "none")
 MAX_PAGES = (2**31 - 1) // PAGE_SIZE  # a page past this has slots beyond int32
+KEY_FORMATS = ("bf16", "int8")  # the plain paged layouts (contract/cache.py: paged64_bf16, paged64_int8)
 
-OPS = tuple(PROBLEM_KEYS)
+TargetArg = "Target | str | None"
 
-
-def _custom_op(name: str, impl):
-    """The custom op ``dsa_indexer::<name>`` over ``impl``, with the spec's fake and mutated arguments."""
-    spec = SPECS[name]
-    op = torch.library.custom_op(f"dsa_indexer::{name}", mutates_args=spec.mutates)(impl)
-    op.register_fake(spec.fake)
-    return op
-
-_problems: dict[tuple, Problem] = {}
-
-
-def _problem(op: str, *values) -> Problem:
-    """The interned Problem of ``op`` with these values: a dict lookup on the hot path (a fresh Problem costs ~2 us)."""
-    key = (op, values)
-    problem = _problems.get(key)
-    if problem is None:
-        problem = _problems.setdefault(key, Problem(**dict(zip(PROBLEM_KEYS[op], values))))
-    return problem
-
-
-def problem(op: str, **facts) -> Problem:
-    """A Problem of ``op`` from named facts, each one of the op's `PROBLEM_KEYS` (a subset is fine)."""
-    unknown = set(facts) - set(PROBLEM_KEYS.get(op, ()))
-    if op not in PROBLEM_KEYS or unknown:
-        raise v.IndexerInputError(f"op {op!r} has problem keys {PROBLEM_KEYS.get(op)}; got unknown {sorted(unknown)}")
-    return Problem(**facts)
-
-
-def gemm_problem(weight: torch.Tensor, out_dtype: torch.dtype) -> Problem:
-    """The `gemm_fp8_blockscale` problem of a GEMM with this fp8 weight [N, K] (what the op itself builds)."""
-    return _problem("gemm_fp8_blockscale", weight.shape[0], weight.shape[1], str(out_dtype), _fp8_name(weight.dtype))
+_PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
-
-
-_PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
 
 
 def _parsed(name: str) -> Target:
@@ -75,7 +54,7 @@ def _parsed(name: str) -> Target:
     return target
 
 
-def _target_name(target: Target | str | None) -> Target | str | None:
+def _target_arg(target: Target | str | None) -> Target | str | None:
     """The explicit target as an op body takes it: the `Target` itself in eager mode (no round trip through its
     name), its parseable arch name while torch.compile traces (the custom ops' schema carries a str)."""
     if target is None or isinstance(target, str):
@@ -92,94 +71,87 @@ def _target_for(anchor: torch.Tensor, target: Target | str | None) -> Target:
     return target_of_tensor(anchor, _parsed(target) if target is not None else None)
 
 
-def _run(op: str, anchor: torch.Tensor, problem: Problem, target: str | None, *args):
-    return default_registry().call(op, _target_for(anchor, target), problem, *args)
+def _default_fp8(anchor: torch.Tensor, fp8_dtype: torch.dtype | None, target: Target | str | None) -> torch.dtype:
+    """``fp8_dtype``, checked, or the target's fp8 flavour (e4m3fnuz on gfx942, e4m3fn elsewhere)."""
+    return v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(anchor, _target_arg(target)).fp8_dtype)
 
 
-def _fp8_name(dtype: torch.dtype) -> str:
-    return "fnuz" if dtype == torch.float8_e4m3fnuz else "fn"
+# --- the declaration ------------------------------------------------------------------------------------------------
+class DeclaredOp:
+    """What `declare` makes of one op: the op body (``run``), the problem of a call (``problem``), the custom op,
+    and ``public``, the public function (validation, then ``run`` or, while compiling, the custom op)."""
+
+    def __init__(self, decl: OpDecl, front: Callable[..., tuple], finish: Callable | None) -> None:
+        self.decl = decl
+        name, facts, keys = decl.name, decl.facts_function(), decl.problem_keys
+        problems: dict[tuple, Problem] = {}
+
+        def problem_of(*args: Any) -> Problem:
+            """The interned Problem of a call with these (schema-ordered) arguments: a fresh one costs ~2 us."""
+            values = facts(*args)
+            found = problems.get(values)
+            return found if found is not None else problems.setdefault(values, Problem(**dict(zip(keys, values))))
+
+        def run(*args: Any, target: Target | str | None = None) -> Any:
+            """The op body: the call's problem and target, then the registry's implementation for them."""
+            values = facts(*args)
+            found = problems.get(values)
+            return default_registry().call(name, _target_for(args[0], target),
+                                           found if found is not None else problem_of(*args), *args)
+
+        fake = decl.fake
+        self.custom_op = torch.library.custom_op(f"dsa_indexer::{name}", run, mutates_args=decl.mutates,
+                                                 schema=decl.schema_with_target())
+        self.custom_op.register_fake(lambda *args, target=None: fake(*args))
+        compiled = getattr(torch.ops.dsa_indexer, name)
+
+        @functools.wraps(front)
+        def public(*args: Any, target: Target | str | None = None, **kwargs: Any) -> Any:
+            arguments = front(*args, target=target, **kwargs)
+            explicit = _target_arg(target)
+            out = compiled(*arguments, target=explicit) if _compiling() else run(*arguments, target=explicit)
+            return out if finish is None else finish(out, arguments, explicit)
+
+        public.decl, public.run, public.problem, public.custom_op = decl, run, problem_of, self.custom_op
+        self.run, self.problem, self.public = run, problem_of, public
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# quant_fp8_groups
-def _quant_fp8_groups_impl(x: torch.Tensor, group_size: int, ue8m0: bool, fp8_dtype: torch.dtype
-                         , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = _problem("quant_fp8_groups", group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
-    return _run("quant_fp8_groups", x, problem, target, x, group_size, ue8m0, fp8_dtype)
+OPERATORS: dict[str, DeclaredOp] = {}
 
 
-_quant_fp8_groups_op = _custom_op("quant_fp8_groups", _quant_fp8_groups_impl)
+def declare(schema: str, facts: Mapping[str, str], fake: Callable[..., Any], mutates: tuple[str, ...] = (),
+            finish: Callable[[Any, tuple, Any], Any] | None = None) -> Callable[[Callable[..., tuple]], Callable]:
+    """Declare the op named like the decorated function (see the module docstring); returns its public function,
+    which carries ``decl``, ``run`` (the op body), ``problem`` and ``custom_op``. ``finish(out, arguments,
+    target)``: turns the implementation's result into the public one (`rmsnorm_quant_fp8` wraps its quant)."""
+    def wrap(front: Callable[..., tuple]) -> Callable:
+        decl = _record(OpDecl(front.__name__, schema, dict(facts), fake, tuple(mutates),
+                              (front.__doc__ or "").strip()))
+        OPERATORS[decl.name] = DeclaredOp(decl, front, finish)
+        return OPERATORS[decl.name].public
+    return wrap
 
 
-def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = False,
-                     fp8_dtype: torch.dtype | None = None,
-                     target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group fp8 e4m3 quantization along the last dim: ``(x_fp8 like x, scales [..., N // group_size] f32)``.
-
-    ``s = max(|group|, 1e-4) / fp8_max`` (448 for e4m3fn, 224 for e4m3fnuz), rounded up to a power of two when
-    ``ue8m0``; ``x_fp8 = clamp(x / s)``. ``fp8_dtype`` defaults to the target's (e4m3fnuz on gfx942).
-    """
-    v.tensor("x", x, dtype=v.ACT_DTYPES)
-    v.positive_int("group_size", group_size)
-    if x.dim() == 0 or x.shape[-1] % group_size:
-        raise v.IndexerInputError(f"x's last dim ({list(x.shape)}) must be a multiple of group_size={group_size}")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
-    if _compiling():
-        return torch.ops.dsa_indexer.quant_fp8_groups(x, group_size, ue8m0, fp8, target=_target_name(target))
-    return _quant_fp8_groups_impl(x, group_size, ue8m0, fp8, target=_target_name(target))
+def problem(op: str, **facts) -> Problem:
+    """A Problem of ``op`` from named facts, each one of the op's `PROBLEM_KEYS` (a subset is fine)."""
+    unknown = set(facts) - set(PROBLEM_KEYS.get(op, ()))
+    if op not in PROBLEM_KEYS or unknown:
+        raise v.IndexerInputError(f"op {op!r} has problem keys {PROBLEM_KEYS.get(op)}; got unknown {sorted(unknown)}")
+    return Problem(**facts)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# rmsnorm_quant_fp8
-def _rmsnorm_quant_fp8_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, ue8m0: bool,
-                          fp8_dtype: torch.dtype,
-                            target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8_dtype), x.shape[-1])
-    return _run("rmsnorm_quant_fp8", x, problem, target, x, weight, eps, group_size, ue8m0, fp8_dtype)
+def gemm_problem(weight: torch.Tensor, out_dtype: torch.dtype) -> Problem:
+    """The `gemm_fp8_blockscale` problem of a GEMM with this fp8 weight [N, K] (what the op itself builds)."""
+    return gemm_fp8_blockscale.problem(None, None, weight, None, out_dtype)
 
 
-_rmsnorm_quant_fp8_op = _custom_op("rmsnorm_quant_fp8", _rmsnorm_quant_fp8_impl)
-
-
-def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
-                      ue8m0: bool = False, fp8_dtype: torch.dtype | None = None,
-                      target: Target | str | None = None) -> tuple[torch.Tensor, QuantizedActivation]:
-    """Fused RMSNorm + fp8 group quant: ``(normed [T, N] in x's dtype, QuantizedActivation of normed)``.
-
-    The library's producers (reference, Triton) quantize the rounded ``normed`` tensor that is returned, so feeding
-    it to the indexer as ``q_lora_quant`` is bit-identical to letting the indexer quantize ``normed`` itself
-    (``layout.producer == PRODUCER_ROUNDED``). A vendor producer may quantize the fp32 value before rounding (aiter's
-    fused kernel on AMD: at most 1 fp8 ulp apart on some elements); the implementation declares it (registry info
-    ``producer``) and the layout carries it, so each consumer decides (docs/ops.md, "q_lora quant reuse").
-    """
-    v.tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
-    v.tensor("weight", weight, shape=(x.shape[1],), device=x.device)
-    v.positive_int("group_size", group_size)
-    if x.shape[1] % group_size:
-        raise v.IndexerInputError(f"x's width {x.shape[1]} must be a multiple of group_size={group_size}")
-    if not eps > 0:
-        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(x, _target_name(target)).fp8_dtype)
-    fn = torch.ops.dsa_indexer.rmsnorm_quant_fp8 if _compiling() else _rmsnorm_quant_fp8_impl
-    normed, x_fp8, scales = fn(x, weight, float(eps), group_size, ue8m0, fp8, target=_target_name(target))
-    # Which implementation made it decides the producer tag: the resolution the call just used (a dict lookup).
-    key = ("rmsnorm_quant_fp8", _target_for(x, _target_name(target)),
-           _problem("rmsnorm_quant_fp8", group_size, ue8m0, _fp8_name(fp8), x.shape[-1]))
-    res = default_registry().used.get(key) or default_registry().resolve(*key)
-    producer = res.chosen.info.get("producer", PRODUCER_ROUNDED) if res.chosen is not None else PRODUCER_ROUNDED
-    layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8, producer=producer)
-    return normed, QuantizedActivation(x_fp8, scales, layout)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# q_prologue
+# --- shared checks --------------------------------------------------------------------------------------------------
 def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch.device) -> None:
     v.tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, device=device)
     rope_dim = cos_sin.shape[1]
     if rope_dim % 2 or rope_dim <= 0 or rope_offset < 0 or rope_offset + rope_dim > dim:
         raise v.IndexerInputError(f"cos_sin width {rope_dim} at rope_offset {rope_offset} must be even and fit in "
                                   f"head dim {dim}")
-
 
 def _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset: int, hadamard: bool) -> None:
     """The checks every q prologue makes (q [T, H, D], positions, the RoPE table, the head weights)."""
@@ -193,38 +165,6 @@ def _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offs
     v.finite_number("weight_scale", weight_scale)
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
 
-
-def _q_prologue_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
-                   weight_scale: float, rope_offset: int, interleaved: bool, ue8m0: bool, fp8_dtype: torch.dtype
-                   , target: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = _problem("q_prologue", q.shape[1], q.shape[2],
-                       cos_sin.shape[1], interleaved, ue8m0, _fp8_name(fp8_dtype))
-    return _run("q_prologue", q, problem, target, q, positions, cos_sin, head_weights, weight_scale, rope_offset,
-                interleaved, ue8m0, fp8_dtype)
-
-
-_q_prologue_op = _custom_op("q_prologue", _q_prologue_impl)
-
-
-def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
-               weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
-               fp8_dtype: torch.dtype | None = None,
-               target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE + Hadamard + per-head fp8 quant of q ``[T, H, D]``; folds the q scale into the head weights.
-
-    Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * q_scale)``.
-    RoPE rotates dims ``[rope_offset, rope_offset + cos_sin.shape[1])``: NeoX pairs (V3.2, offset 0) or
-    interleaved pairs (V4, trailing dims). ``head_weights`` is the raw ``weights_proj(x)`` output.
-    """
-    _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(q, _target_name(target)).fp8_dtype)
-    fn = torch.ops.dsa_indexer.q_prologue if _compiling() else _q_prologue_impl
-    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0, fp8,
-              target=_target_name(target))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# k_prologue_store
 def _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset: int, norm: str) -> int:
     """The checks every key prologue makes (k [T, 128], its norm's parameters, positions, the RoPE table); -> T."""
     v.tensor("k", k, dtype=v.ACT_DTYPES, ndim=2)
@@ -243,83 +183,6 @@ def _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_off
     _check_rope(cos_sin, d, rope_offset, k.device)
     return t
 
-
-def _k_prologue_store_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor], norm_bias: Optional[torch.Tensor],
-                         eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, ue8m0: bool,
-                         fp8_dtype: torch.dtype, norm: str, target: Optional[str] = None) -> None:
-    problem = _problem("k_prologue_store", k.shape[1], cos_sin.shape[1],
-                       interleaved, norm, ue8m0, _fp8_name(fp8_dtype))
-    _run("k_prologue_store", k, problem, target,
-         k, norm_weight, norm_bias, eps, positions, cos_sin, kv_cache, slot_mapping,
-         rope_offset, interleaved, ue8m0, fp8_dtype, norm)
-
-
-_k_prologue_store_op = _custom_op("k_prologue_store", _k_prologue_store_impl)
-
-
-def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
-                     positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, *, rope_offset: int = 0, interleaved: bool = False,
-                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm",
-                     target: Target | str | None = None) -> None:
-    """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
-
-    ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight: V4's compressor norms its pooled
-    entries here) or "none" (keys normed by the caller). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
-    """
-    t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
-    check_kv_cache(kv_cache)
-    v.tensor("kv_cache", kv_cache, device=k.device)
-    v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
-    v.in_range("slot_mapping", slot_mapping, -1, kv_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
-    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
-    fp8 = v.fp8_dtype("fp8_dtype", fp8_dtype or _target_for(k, _target_name(target)).fp8_dtype)
-    fn = torch.ops.dsa_indexer.k_prologue_store if _compiling() else _k_prologue_store_impl
-    fn(k, norm_weight, norm_bias, float(eps), positions, cos_sin, kv_cache, slot_mapping, rope_offset, interleaved,
-       ue8m0, fp8, norm, target=_target_name(target))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# gemm_fp8_blockscale
-def _gemm_fp8_blockscale_impl(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                            out_dtype: torch.dtype, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("gemm_fp8_blockscale", b.shape[0], b.shape[1], str(out_dtype), _fp8_name(a.dtype))
-    return _run("gemm_fp8_blockscale", a, problem, target, a, a_scales, b, b_scales, out_dtype)
-
-
-_gemm_fp8_blockscale_op = _custom_op("gemm_fp8_blockscale", _gemm_fp8_blockscale_impl)
-
-
-def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16, *, target: Target | str | None = None) -> torch.Tensor:
-    """``(a * a_scales) @ (b * b_scales).T``: a [M, K] fp8 with per-token-group-128 scales [M, K/128],
-    b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``."""
-    v.tensor("a", a, dtype=v.FP8_DTYPES, ndim=2)
-    m, kdim = a.shape
-    groups = -(-kdim // 128)
-    v.tensor("a_scales", a_scales, dtype=torch.float32, shape=(m, groups), device=a.device)
-    v.tensor("b", b, dtype=a.dtype, ndim=2, device=a.device)
-    if b.shape[1] != kdim:
-        raise v.IndexerInputError(f"b must have K={kdim} columns like a, got shape {list(b.shape)}")
-    v.tensor("b_scales", b_scales, dtype=torch.float32, shape=(-(-b.shape[0] // 128), groups), device=a.device)
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise v.IndexerInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    fn = torch.ops.dsa_indexer.gemm_fp8_blockscale if _compiling() else _gemm_fp8_blockscale_impl
-    return fn(a, a_scales, b, b_scales, out_dtype, target=_target_name(target))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# ragged_mqa_logits
-def _ragged_mqa_logits_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                          ks: torch.Tensor, ke: torch.Tensor, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("ragged_mqa_logits", q.shape[1], q.shape[2], _fp8_name(q.dtype))
-    return _run("ragged_mqa_logits", q, problem, target, q, k, k_scales, weights, ks, ke)
-
-
-_ragged_mqa_logits_op = _custom_op("ragged_mqa_logits", _ragged_mqa_logits_impl)
-
-
 def _check_ragged(q, k, k_scales, weights, ks, ke) -> None:
     v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=3)
     s, h, d = q.shape
@@ -333,29 +196,6 @@ def _check_ragged(q, k, k_scales, weights, ks, ke) -> None:
     v.in_range("ke", ke, 0, n + 1, "key rows")
     if v.ranges_checked(ks) and s and bool((ke < ks).any()):
         raise v.IndexerInputError("ke must be >= ks on every row")
-
-
-def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                      ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
-    """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
-    ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
-    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
-    _check_ragged(q, k, k_scales, weights, ks, ke)
-    fn = torch.ops.dsa_indexer.ragged_mqa_logits if _compiling() else _ragged_mqa_logits_impl
-    return fn(q, k, k_scales, weights, ks, ke, target=_target_name(target))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# paged_mqa_logits
-def _paged_mqa_logits_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                         block_table: torch.Tensor, max_context_len: int, target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("paged_mqa_logits", q.shape[2], q.shape[3], q.shape[1], _fp8_name(q.dtype))
-    return _run("paged_mqa_logits", q, problem, target,
-                q, kv_cache, weights, context_lens, block_table, max_context_len)
-
-
-_paged_mqa_logits_op = _custom_op("paged_mqa_logits", _paged_mqa_logits_impl)
-
 
 def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len) -> None:
     v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=4)
@@ -378,7 +218,209 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
     v.used_pages_in_range("block_table", block_table, context_lens.max(dim=1).values, PAGE_SIZE, kv_cache.shape[0],
                           "cache pages, for the pages a context uses")
 
+def _check_request_runs(positions: torch.Tensor, row_request: torch.Tensor, state_slot: torch.Tensor) -> None:
+    """The pooling's precondition: each request's (non-padding) rows are one consecutive run at consecutive
+    positions (the window of a row is read from the rows before it); anything else would pool other tokens."""
+    keep = state_slot >= 0
+    req, pos = row_request[keep].long(), positions[keep].long()
+    if req.numel() < 2:
+        return
+    same = req[1:] == req[:-1]
+    runs = int((~same).sum()) + 1
+    if runs != int(torch.unique(req).numel()):
+        raise v.IndexerInputError("row_request: a request's rows must be consecutive (one run per request), got "
+                                  f"{runs} runs for {int(torch.unique(req).numel())} requests")
+    gaps = same & (pos[1:] != pos[:-1] + 1)
+    if bool(gaps.any()):
+        i = int(gaps.nonzero()[0, 0])
+        raise v.IndexerInputError(f"positions: a request's rows must be at consecutive positions; request "
+                                  f"{int(req[i])} has position {int(pos[i])} then {int(pos[i + 1])}")
 
+def _check_format(key_format: str) -> None:
+    if key_format not in KEY_FORMATS:
+        raise v.IndexerInputError(f"key_format must be one of {KEY_FORMATS}, got {key_format!r}")
+
+def _check_plain_cache(key_cache: torch.Tensor, key_scales: torch.Tensor, key_format: str,
+                       device: torch.device) -> None:
+    from .contract.cache import LAYOUT_PAGED64_BF16, LAYOUT_PAGED64_INT8, check_plain_cache
+
+    layout = LAYOUT_PAGED64_BF16 if key_format == "bf16" else LAYOUT_PAGED64_INT8
+    v.tensor("key_cache", key_cache, device=device)
+    v.tensor("key_scales", key_scales, device=device)
+    try:
+        check_plain_cache(key_cache, key_scales if key_format == "int8" else None, layout)
+    except (TypeError, ValueError) as exc:
+        raise v.IndexerInputError(str(exc)) from None
+
+# --- the ops --------------------------------------------------------------------------------------------------------
+@declare("(Tensor x, int group_size, bool ue8m0, ScalarType fp8_dtype) -> (Tensor, Tensor)",
+         facts={"group_size": "group_size", "ue8m0": "ue8m0", "fp8": "fp8_name(fp8_dtype)", "width": "x.shape[-1]"},
+         fake=lambda x, group_size, ue8m0, fp8_dtype: (
+             torch.empty_like(x, dtype=fp8_dtype),
+             x.new_empty((*x.shape[:-1], x.shape[-1] // group_size), dtype=torch.float32)))
+def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = False,
+                     fp8_dtype: torch.dtype | None = None,
+                     target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group fp8 e4m3 quantization along the last dim: ``(x_fp8 like x, scales [..., N // group_size] f32)``.
+
+    ``s = max(|group|, 1e-4) / fp8_max`` (448 for e4m3fn, 224 for e4m3fnuz), rounded up to a power of two when
+    ``ue8m0``; ``x_fp8 = clamp(x / s)``. ``fp8_dtype`` defaults to the target's (e4m3fnuz on gfx942).
+    """
+    v.tensor("x", x, dtype=v.ACT_DTYPES)
+    v.positive_int("group_size", group_size)
+    if x.dim() == 0 or x.shape[-1] % group_size:
+        raise v.IndexerInputError(f"x's last dim ({list(x.shape)}) must be a multiple of group_size={group_size}")
+    return x, group_size, ue8m0, _default_fp8(x, fp8_dtype, target)
+
+
+def _producer_tagged(out: tuple, arguments: tuple, target) -> tuple[torch.Tensor, QuantizedActivation]:
+    """Which implementation made the quant decides its producer tag: the resolution the call just used."""
+    normed, x_fp8, scales = out
+    x, _, _, group_size, ue8m0, fp8 = arguments
+    key = ("rmsnorm_quant_fp8", _target_for(x, target), rmsnorm_quant_fp8.problem(*arguments))
+    res = default_registry().used.get(key) or default_registry().resolve(*key)
+    producer = res.chosen.info.get("producer", PRODUCER_ROUNDED) if res.chosen is not None else PRODUCER_ROUNDED
+    layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8, producer=producer)
+    return normed, QuantizedActivation(x_fp8, scales, layout)
+
+
+@declare("(Tensor x, Tensor weight, float eps, int group_size, bool ue8m0, ScalarType fp8_dtype) "
+         "-> (Tensor, Tensor, Tensor)",
+         facts={"group_size": "group_size", "ue8m0": "ue8m0", "fp8": "fp8_name(fp8_dtype)", "width": "x.shape[-1]"},
+         fake=lambda x, weight, eps, group_size, ue8m0, fp8_dtype: (
+             torch.empty_like(x), torch.empty_like(x, dtype=fp8_dtype),
+             x.new_empty((x.shape[0], x.shape[1] // group_size), dtype=torch.float32)),
+         finish=_producer_tagged)
+def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, group_size: int = 128, *,
+                      ue8m0: bool = False, fp8_dtype: torch.dtype | None = None,
+                      target: Target | str | None = None) -> tuple[torch.Tensor, QuantizedActivation]:
+    """Fused RMSNorm + fp8 group quant: ``(normed [T, N] in x's dtype, QuantizedActivation of normed)``.
+
+    The library's producers (reference, Triton) quantize the rounded ``normed`` tensor that is returned, so feeding
+    it to the indexer as ``q_lora_quant`` is bit-identical to letting the indexer quantize ``normed`` itself
+    (``layout.producer == PRODUCER_ROUNDED``). A vendor producer may quantize the fp32 value before rounding (aiter's
+    fused kernel on AMD: at most 1 fp8 ulp apart on some elements); the implementation declares it (registry info
+    ``producer``) and the layout carries it, so each consumer decides (docs/ops.md, "q_lora quant reuse").
+    """
+    v.tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+    v.tensor("weight", weight, shape=(x.shape[1],), device=x.device)
+    v.positive_int("group_size", group_size)
+    if x.shape[1] % group_size:
+        raise v.IndexerInputError(f"x's width {x.shape[1]} must be a multiple of group_size={group_size}")
+    if not eps > 0:
+        raise v.IndexerInputError(f"eps must be > 0, got {eps}")
+    return x, weight, float(eps), group_size, ue8m0, _default_fp8(x, fp8_dtype, target)
+
+
+_Q_PROLOGUE_FACTS = {"heads": "q.shape[1]", "dim": "q.shape[2]", "rope_dim": "cos_sin.shape[1]",
+                     "interleaved": "interleaved"}
+
+
+@declare("(Tensor q, Tensor positions, Tensor cos_sin, Tensor head_weights, float weight_scale, int rope_offset, "
+         "bool interleaved, bool ue8m0, ScalarType fp8_dtype) -> (Tensor, Tensor)",
+         facts={**_Q_PROLOGUE_FACTS, "ue8m0": "ue8m0", "fp8": "fp8_name(fp8_dtype)"},
+         fake=lambda q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, ue8m0, fp8_dtype: (
+             torch.empty_like(q, dtype=fp8_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)))
+def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+               weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, ue8m0: bool = False,
+               fp8_dtype: torch.dtype | None = None,
+               target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE + Hadamard + per-head fp8 quant of q ``[T, H, D]``; folds the q scale into the head weights.
+
+    Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights * weight_scale * q_scale)``.
+    RoPE rotates dims ``[rope_offset, rope_offset + cos_sin.shape[1])``: NeoX pairs (V3.2, offset 0) or
+    interleaved pairs (V4, trailing dims). ``head_weights`` is the raw ``weights_proj(x)`` output.
+    """
+    _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
+    return (q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0,
+            _default_fp8(q, fp8_dtype, target))
+
+
+@declare("(Tensor q, Tensor positions, Tensor cos_sin, Tensor head_weights, float weight_scale, int rope_offset, "
+         "bool interleaved, int block, ScalarType fp8_dtype) -> (Tensor, Tensor)",
+         facts={**_Q_PROLOGUE_FACTS, "block": "block", "fp8": "fp8_name(fp8_dtype)"},
+         fake=lambda q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, block, fp8_dtype: (
+             torch.empty_like(q, dtype=fp8_dtype), q.new_empty(q.shape[:2], dtype=torch.float32)))
+def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                   weight_scale: float, *, rope_offset: int = 0, interleaved: bool = False, block: int = 32,
+                   fp8_dtype: torch.dtype | None = None,
+                   target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's FP4 q prologue (`dsa_indexer.fp4`): RoPE (rounded to q's dtype, as DeepSeek's in-place RoPE), the
+    Hadamard (rounded to bf16), e2m1 quant per ``block`` with power-of-two scales, folded exactly into fp8 with one
+    power-of-two scale per (token, head). Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights *
+    weight_scale * row_scale)``, what the fp8 logits ops read."""
+    _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
+    v.positive_int("block", block)
+    if q.shape[2] % block:
+        raise v.IndexerInputError(f"q's head dim {q.shape[2]} must be a multiple of the FP4 block {block}")
+    return (q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, block,
+            _default_fp8(q, fp8_dtype, target))
+
+
+@declare("(Tensor k, Tensor? norm_weight, Tensor? norm_bias, float eps, Tensor positions, Tensor cos_sin, "
+         "Tensor(a!) kv_cache, Tensor slot_mapping, int rope_offset, bool interleaved, bool ue8m0, "
+         "ScalarType fp8_dtype, str norm) -> ()",
+         facts={"dim": "k.shape[1]", "rope_dim": "cos_sin.shape[1]", "interleaved": "interleaved", "norm": "norm",
+                "ue8m0": "ue8m0", "fp8": "fp8_name(fp8_dtype)"},
+         fake=lambda *args: None, mutates=("kv_cache",))
+def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None, eps: float,
+                     positions: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, *, rope_offset: int = 0, interleaved: bool = False,
+                     ue8m0: bool = False, fp8_dtype: torch.dtype | None = None, norm: str = "layernorm",
+                     target: Target | str | None = None) -> None:
+    """Norm + RoPE + Hadamard + fp8 quant of k ``[T, D]`` and the store into the paged cache, in place.
+
+    ``norm``: "layernorm" (V3.2's k_norm, weight and bias), "rmsnorm" (weight: V4's compressor norms its pooled
+    entries here) or "none" (keys normed by the caller). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
+    """
+    t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
+    check_kv_cache(kv_cache)
+    v.tensor("kv_cache", kv_cache, device=k.device)
+    v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
+    v.in_range("slot_mapping", slot_mapping, -1, kv_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
+    v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
+    return (k, norm_weight, norm_bias, float(eps), positions, cos_sin, kv_cache, slot_mapping, rope_offset,
+            interleaved, ue8m0, _default_fp8(k, fp8_dtype, target), norm)
+
+
+@declare("(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, ScalarType out_dtype) -> Tensor",
+         # b's flavour, which equals a's (checked): `gemm_problem` asks with the weight alone.
+         facts={"n": "b.shape[0]", "k": "b.shape[1]", "out": "str(out_dtype)", "fp8": "fp8_name(b.dtype)"},
+         fake=lambda a, a_scales, b, b_scales, out_dtype: a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype))
+def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        out_dtype: torch.dtype = torch.bfloat16, *, target: Target | str | None = None) -> torch.Tensor:
+    """``(a * a_scales) @ (b * b_scales).T``: a [M, K] fp8 with per-token-group-128 scales [M, K/128],
+    b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``."""
+    v.tensor("a", a, dtype=v.FP8_DTYPES, ndim=2)
+    m, kdim = a.shape
+    groups = -(-kdim // 128)
+    v.tensor("a_scales", a_scales, dtype=torch.float32, shape=(m, groups), device=a.device)
+    v.tensor("b", b, dtype=a.dtype, ndim=2, device=a.device)
+    if b.shape[1] != kdim:
+        raise v.IndexerInputError(f"b must have K={kdim} columns like a, got shape {list(b.shape)}")
+    v.tensor("b_scales", b_scales, dtype=torch.float32, shape=(-(-b.shape[0] // 128), groups), device=a.device)
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise v.IndexerInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    return a, a_scales, b, b_scales, out_dtype
+
+
+@declare("(Tensor q, Tensor k, Tensor k_scales, Tensor weights, Tensor ks, Tensor ke) -> Tensor",
+         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)"},
+         fake=lambda q, k, k_scales, weights, ks, ke: q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32))
+def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                      ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
+    """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
+    ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
+    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
+    _check_ragged(q, k, k_scales, weights, ks, ke)
+    return q, k, k_scales, weights, ks, ke
+
+
+@declare("(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, int max_context_len) "
+         "-> Tensor",
+         facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "fp8": "fp8_name(q.dtype)"},
+         fake=lambda q, kv_cache, weights, context_lens, block_table, max_context_len: q.new_empty(
+             (q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32))
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int, *,
                      target: Target | str | None = None) -> torch.Tensor:
@@ -386,22 +428,13 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     weights [B*N, H] f32, context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
     block_table [B, max_pages] int32. Returns [B*N, max_context_len] f32, -inf past each row's length."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    fn = torch.ops.dsa_indexer.paged_mqa_logits if _compiling() else _paged_mqa_logits_impl
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, target=_target_name(target))
+    return q, kv_cache, weights, context_lens, block_table, max_context_len
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# topk_indices
-def _topk_indices_impl(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: Optional[torch.Tensor],
-                     block_table: Optional[torch.Tensor], row_request: Optional[torch.Tensor],
-                       target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("topk_indices", k, block_table is not None, starts is not None)
-    return _run("topk_indices", logits, problem, target, logits, k, ends, starts, block_table, row_request)
-
-
-_topk_indices_op = _custom_op("topk_indices", _topk_indices_impl)
-
-
+@declare("(Tensor logits, int k, Tensor ends, Tensor? starts, Tensor? block_table, Tensor? row_request) -> Tensor",
+         facts={"k": "k", "slots": "block_table is not None", "starts": "starts is not None"},
+         fake=lambda logits, k, ends, starts, block_table, row_request: logits.new_empty((logits.shape[0], k),
+                                                                                        dtype=torch.int32))
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
                  block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None,
                  target: Target | str | None = None) -> torch.Tensor:
@@ -440,25 +473,15 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
             v.used_pages_in_range("block_table", block_table, width, PAGE_SIZE, MAX_PAGES,
                                   "cache pages whose slots fit int32, for the pages a row's window uses",
                                   table_rows=row_request)
-    fn = torch.ops.dsa_indexer.topk_indices if _compiling() else _topk_indices_impl
-    return fn(logits, k, ends, starts, block_table, row_request, target=_target_name(target))
+    return logits, k, ends, starts, block_table, row_request
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# lightning_indexer (fused paged logits + top-k, for backends that have one)
-def _lightning_indexer_impl(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool,
-                            target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("lightning_indexer", q.shape[2], q.shape[3], q.shape[1], k,
-                       _fp8_name(q.dtype), return_slots)
-    return _run("lightning_indexer", q, problem, target,
-                q, kv_cache, weights, context_lens, block_table, max_context_len, k,
-                return_slots)
-
-
-_lightning_indexer_op = _custom_op("lightning_indexer", _lightning_indexer_impl)
-
-
+@declare("(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, int max_context_len, "
+         "int k, bool return_slots) -> Tensor",
+         facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "k": "k",
+                "fp8": "fp8_name(q.dtype)", "slots": "return_slots"},
+         fake=lambda q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots: q.new_empty(
+             (q.shape[0] * q.shape[1], k), dtype=torch.int32))
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                       block_table: torch.Tensor, max_context_len: int, k: int, *,
                       return_slots: bool = False, target: Target | str | None = None) -> torch.Tensor:
@@ -470,23 +493,12 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     v.positive_int("k", k)
     if not isinstance(return_slots, bool):
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
-    fn = torch.ops.dsa_indexer.lightning_indexer if _compiling() else _lightning_indexer_impl
-    return fn(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots,
-              target=_target_name(target))
+    return q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# ragged_mqa_topk (prefill: ragged logits + top-k, for backends that fuse them)
-def _ragged_mqa_topk_impl(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                          ks: torch.Tensor, ke: torch.Tensor, topk: int,
-                          target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("ragged_mqa_topk", q.shape[1], q.shape[2], _fp8_name(q.dtype), topk)
-    return _run("ragged_mqa_topk", q, problem, target, q, k, k_scales, weights, ks, ke, topk)
-
-
-_ragged_mqa_topk_op = _custom_op("ragged_mqa_topk", _ragged_mqa_topk_impl)
-
-
+@declare("(Tensor q, Tensor k, Tensor k_scales, Tensor weights, Tensor ks, Tensor ke, int topk) -> Tensor",
+         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)", "k": "topk"},
+         fake=lambda q, k, k_scales, weights, ks, ke, topk: q.new_empty((q.shape[0], topk), dtype=torch.int32))
 def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                     ks: torch.Tensor, ke: torch.Tensor, topk: int, *,
                     target: Target | str | None = None) -> torch.Tensor:
@@ -496,41 +508,15 @@ def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, we
     implementation never holds the [S, N] logits; the composed one (generic) runs the two ops."""
     _check_ragged(q, k, k_scales, weights, ks, ke)
     v.positive_int("topk", topk)
-    fn = torch.ops.dsa_indexer.ragged_mqa_topk if _compiling() else _ragged_mqa_topk_impl
-    return fn(q, k, k_scales, weights, ks, ke, topk, target=_target_name(target))
+    return q, k, k_scales, weights, ks, ke, topk
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# c4_compress_pool
-def _c4_compress_pool_impl(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-                         row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor,
-                           target: Optional[str] = None) -> torch.Tensor:
-    problem = _problem("c4_compress_pool", ape.shape[1] // 2, state.shape[1])
-    return _run("c4_compress_pool", proj, problem, target, proj, state, ape, positions, row_request, state_slot, rows)
-
-
-_c4_compress_pool_op = _custom_op("c4_compress_pool", _c4_compress_pool_impl)
-
-
-def _check_request_runs(positions: torch.Tensor, row_request: torch.Tensor, state_slot: torch.Tensor) -> None:
-    """The pooling's precondition: each request's (non-padding) rows are one consecutive run at consecutive
-    positions (the window of a row is read from the rows before it); anything else would pool other tokens."""
-    keep = state_slot >= 0
-    req, pos = row_request[keep].long(), positions[keep].long()
-    if req.numel() < 2:
-        return
-    same = req[1:] == req[:-1]
-    runs = int((~same).sum()) + 1
-    if runs != int(torch.unique(req).numel()):
-        raise v.IndexerInputError("row_request: a request's rows must be consecutive (one run per request), got "
-                                  f"{runs} runs for {int(torch.unique(req).numel())} requests")
-    gaps = same & (pos[1:] != pos[:-1] + 1)
-    if bool(gaps.any()):
-        i = int(gaps.nonzero()[0, 0])
-        raise v.IndexerInputError(f"positions: a request's rows must be at consecutive positions; request "
-                                  f"{int(req[i])} has position {int(pos[i])} then {int(pos[i + 1])}")
-
-
+@declare("(Tensor proj, Tensor(a!) state, Tensor ape, Tensor positions, Tensor row_request, Tensor state_slot, "
+         "Tensor rows) -> Tensor",
+         facts={"dim": "ape.shape[1] // 2", "window": "state.shape[1]"},
+         fake=lambda proj, state, ape, positions, row_request, state_slot, rows: proj.new_empty(
+             (rows.shape[0], ape.shape[1] // 2), dtype=torch.bfloat16),
+         mutates=("state",))
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                      row_request: torch.Tensor, state_slot: torch.Tensor, rows: torch.Tensor, *,
                      target: Target | str | None = None) -> torch.Tensor:
@@ -557,34 +543,21 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     v.in_range("positions", positions, 0, 1 << 62, "token positions")
     if t > 1 and v.ranges_checked(positions):
         _check_request_runs(positions, row_request, state_slot)
-    fn = torch.ops.dsa_indexer.c4_compress_pool if _compiling() else _c4_compress_pool_impl
-    return fn(proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows,
-              target=_target_name(target))
+    return proj.contiguous(), state, ape.contiguous(), positions, row_request, state_slot, rows
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The plain paged layouts (paged64_bf16, paged64_int8: contract/cache.py), for fused indexers that read a plain
 # [pages, 64, 1, 128] key tensor (torch_npu's lightning indexers): q prologue, k store, and the fused indexer.
-KEY_FORMATS = ("bf16", "int8")
+def _fake_q_prologue_plain(q, positions, cos_sin, head_weights, weight_scale, rope_offset, interleaved, key_format):
+    if key_format == "int8":
+        return (torch.empty_like(q, dtype=torch.int8), q.new_empty(q.shape[:2], dtype=torch.float16),
+                q.new_empty(q.shape[:2], dtype=torch.float32))
+    return torch.empty_like(q), q.new_empty(0, dtype=torch.float16), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
-def _check_format(key_format: str) -> None:
-    if key_format not in KEY_FORMATS:
-        raise v.IndexerInputError(f"key_format must be one of {KEY_FORMATS}, got {key_format!r}")
-
-
-def _q_prologue_plain_impl(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                           head_weights: torch.Tensor, weight_scale: float, rope_offset: int, interleaved: bool,
-                           key_format: str, target: Optional[str] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = _problem("q_prologue_plain", q.shape[1], q.shape[2], cos_sin.shape[1], interleaved, key_format)
-    return _run("q_prologue_plain", q, problem, target, q, positions, cos_sin, head_weights, weight_scale,
-                rope_offset, interleaved, key_format)
-
-
-_q_prologue_plain_op = _custom_op("q_prologue_plain", _q_prologue_plain_impl)
-
-
+@declare("(Tensor q, Tensor positions, Tensor cos_sin, Tensor head_weights, float weight_scale, int rope_offset, "
+         "bool interleaved, str key_format) -> (Tensor, Tensor, Tensor)",
+         facts={**_Q_PROLOGUE_FACTS, "format": "key_format"}, fake=_fake_q_prologue_plain)
 def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
                      weight_scale: float, *, key_format: str, rope_offset: int = 0, interleaved: bool = False,
                      target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -596,37 +569,15 @@ def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     ``weights = head_weights * weight_scale`` (the q scale is NOT folded in: the int8 kernels take it apart)."""
     _check_format(key_format)
     _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=key_format == "int8")
-    fn = torch.ops.dsa_indexer.q_prologue_plain if _compiling() else _q_prologue_plain_impl
-    return fn(q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, key_format,
-              target=_target_name(target))
+    return q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, key_format
 
 
-def _k_prologue_store_plain_impl(k: torch.Tensor, norm_weight: Optional[torch.Tensor],
-                                 norm_bias: Optional[torch.Tensor], eps: float, positions: torch.Tensor,
-                                 cos_sin: torch.Tensor, key_cache: torch.Tensor, key_scales: torch.Tensor,
-                                 slot_mapping: torch.Tensor, rope_offset: int, interleaved: bool, norm: str,
-                                 key_format: str, target: Optional[str] = None) -> None:
-    problem = _problem("k_prologue_store_plain", k.shape[1], cos_sin.shape[1], interleaved, norm, key_format)
-    _run("k_prologue_store_plain", k, problem, target, k, norm_weight, norm_bias, eps, positions, cos_sin,
-         key_cache, key_scales, slot_mapping, rope_offset, interleaved, norm, key_format)
-
-
-_k_prologue_store_plain_op = _custom_op("k_prologue_store_plain", _k_prologue_store_plain_impl)
-
-
-def _check_plain_cache(key_cache: torch.Tensor, key_scales: torch.Tensor, key_format: str,
-                       device: torch.device) -> None:
-    from .contract.cache import LAYOUT_PAGED64_BF16, LAYOUT_PAGED64_INT8, check_plain_cache
-
-    layout = LAYOUT_PAGED64_BF16 if key_format == "bf16" else LAYOUT_PAGED64_INT8
-    v.tensor("key_cache", key_cache, device=device)
-    v.tensor("key_scales", key_scales, device=device)
-    try:
-        check_plain_cache(key_cache, key_scales if key_format == "int8" else None, layout)
-    except (TypeError, ValueError) as exc:
-        raise v.IndexerInputError(str(exc)) from None
-
-
+@declare("(Tensor k, Tensor? norm_weight, Tensor? norm_bias, float eps, Tensor positions, Tensor cos_sin, "
+         "Tensor(a!) key_cache, Tensor(b!) key_scales, Tensor slot_mapping, int rope_offset, bool interleaved, "
+         "str norm, str key_format) -> ()",
+         facts={"dim": "k.shape[1]", "rope_dim": "cos_sin.shape[1]", "interleaved": "interleaved", "norm": "norm",
+                "format": "key_format"},
+         fake=lambda *args: None, mutates=("key_cache", "key_scales"))
 def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None,
                            eps: float, positions: torch.Tensor, cos_sin: torch.Tensor, key_cache: torch.Tensor,
                            key_scales: torch.Tensor, slot_mapping: torch.Tensor, *, key_format: str,
@@ -641,24 +592,16 @@ def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, no
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
     v.in_range("slot_mapping", slot_mapping, -1, key_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
     v.in_range("positions", positions, 0, cos_sin.shape[0], "rows of cos_sin")
-    fn = torch.ops.dsa_indexer.k_prologue_store_plain if _compiling() else _k_prologue_store_plain_impl
-    fn(k, norm_weight, norm_bias, float(eps), positions, cos_sin, key_cache, key_scales, slot_mapping, rope_offset,
-       interleaved, norm, key_format, target=_target_name(target))
+    return (k, norm_weight, norm_bias, float(eps), positions, cos_sin, key_cache, key_scales, slot_mapping,
+            rope_offset, interleaved, norm, key_format)
 
 
-def _lightning_indexer_ragged_impl(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
-                                   key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, compress_ratio: int,
-                                   target: Optional[str] = None) -> torch.Tensor:
-    key_format = "int8" if key_cache.dtype == torch.int8 else "bf16"
-    problem = _problem("lightning_indexer_ragged", q.shape[1], q.shape[2], k, key_format, compress_ratio)
-    return _run("lightning_indexer_ragged", q, problem, target, q, q_scales, key_cache, key_scales, weights,
-                cu_seqlens_q, seq_lens_k, block_table, k, compress_ratio)
-
-
-_lightning_indexer_ragged_op = _custom_op("lightning_indexer_ragged", _lightning_indexer_ragged_impl)
-
-
+@declare("(Tensor q, Tensor q_scales, Tensor key_cache, Tensor key_scales, Tensor weights, Tensor cu_seqlens_q, "
+         "Tensor seq_lens_k, Tensor block_table, int k, int compress_ratio) -> Tensor",
+         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "k": "k",
+                "format": "'int8' if key_cache.dtype == torch.int8 else 'bf16'", "ratio": "compress_ratio"},
+         fake=lambda q, q_scales, key_cache, key_scales, weights, cu_seqlens_q, seq_lens_k, block_table, k,
+         compress_ratio: q.new_empty((q.shape[0], k), dtype=torch.int32))
 def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
                              key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, *, compress_ratio: int = 1,
@@ -704,6 +647,8 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
         used = torch.arange(block_table.shape[1], device=q.device)[None, :] < \
             ((entries + PAGE_SIZE - 1) // PAGE_SIZE)[:, None]
         v.in_range("block_table", block_table[used], 0, key_cache.shape[0], "cache pages, for the pages in use")
-    fn = torch.ops.dsa_indexer.lightning_indexer_ragged if _compiling() else _lightning_indexer_ragged_impl
-    return fn(q.contiguous(), q_scales, key_cache, key_scales, weights.contiguous(), cu_seqlens_q, seq_lens_k,
-              block_table, k, compress_ratio, target=_target_name(target))
+    return (q.contiguous(), q_scales, key_cache, key_scales, weights.contiguous(), cu_seqlens_q, seq_lens_k,
+            block_table, k, compress_ratio)
+
+
+OPS = tuple(OPERATORS)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import fp4, ops
+from . import ops
 from .compressor import CompressionStep
 from .contract.cache import LAYOUT_PAGED64, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
@@ -99,23 +99,13 @@ def q_path(indexer: "Indexer", x: torch.Tensor, q_lora: torch.Tensor, positions:
     if head_weights is None:
         head_weights = project_head_weights(indexer, x)
     q = project_q(indexer, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
-    if cfg.key_quant == "fp4_e2m1":
-        return q_prologue_fp4(indexer, q, positions, head_weights)
+    if cfg.key_quant == "fp4_e2m1":  # V4's FP4 recipe (dsa_indexer.fp4)
+        return ops.q_prologue_fp4(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale,
+                                  rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, block=cfg.fp4_block,
+                                  fp8_dtype=indexer.fp8_dtype, target=indexer.target)
     return ops.q_prologue(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale, rope_offset=cfg.rope_offset,
                           interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=indexer.fp8_dtype,
                           target=indexer.target)
-
-
-def q_prologue_fp4(indexer: "Indexer", q: torch.Tensor, positions: torch.Tensor, head_weights: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4's FP4 q (`dsa_indexer.fp4`): RoPE (the plain prologue op: bf16 out, as DeepSeek's in-place RoPE), then the
-    Hadamard and the e2m1 quant folded into fp8; the row scale joins the head weights like the fp8 q scale."""
-    cfg = indexer.config
-    roped, _, weights = ops.q_prologue_plain(q, positions, indexer.cos_sin, head_weights, cfg.weight_scale,
-                                             rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved,
-                                             key_format="bf16", target=indexer.target)
-    q_fp8, row_scale = fp4.rotate_quant_fp4(roped, cfg.fp4_block, indexer.fp8_dtype)
-    return q_fp8, weights * row_scale
 
 
 def k_path(indexer: "Indexer", x: torch.Tensor, positions: torch.Tensor,
@@ -206,7 +196,6 @@ class PipelineSteps:
     project_x = staticmethod(project_x)
     project_head_weights = staticmethod(project_head_weights)
     project_k = staticmethod(project_k)
-    q_prologue_fp4 = staticmethod(q_prologue_fp4)
     q_path = staticmethod(q_path)
     k_path = staticmethod(k_path)
     single_stream = staticmethod(single_stream)

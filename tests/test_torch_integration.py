@@ -40,6 +40,8 @@ def _cases():
         "rmsnorm_quant_fp8": (x, torch.randn(256, dtype=torch.bfloat16), 1e-6, 128, False, FP8),
         "q_prologue": (torch.randn(t, h, 128, dtype=torch.bfloat16), torch.arange(t), cos_sin, torch.randn(t, h),
                        0.01, 0, False, True, FP8),
+        "q_prologue_fp4": (torch.randn(t, h, 128, dtype=torch.bfloat16), torch.arange(t), cos_sin, torch.randn(t, h),
+                           0.01, 0, False, 32, FP8),
         "k_prologue_store": (torch.randn(t, 128, dtype=torch.bfloat16), torch.randn(128), torch.randn(128), 1e-6,
                              torch.arange(t), cos_sin, cache.data, slots, 0, False, True, FP8, "layernorm"),
         "gemm_fp8_blockscale": (a, torch.rand(t, 2), torch.randn(256, 256).to(FP8), torch.rand(2, 2),

@@ -47,6 +47,7 @@ UNREGISTERED = {
     "paged_mqa_logits": "no torch_npu kernel returns the logits themselves (its indexers fuse the top-k)",
     "ragged_mqa_logits": "as paged_mqa_logits",
     "ragged_mqa_topk": "reads the fp8 keys; torch_npu's indexers read the plain layouts (lightning_indexer_ragged)",
+    "q_prologue_fp4": "V4's FP4 q has no torch_npu kernel (and the NPU backend refuses V4's C4 indexer)",
     "topk_indices": "torch.topk runs on NPU tensors already: the reference implementation is the NPU path",
     "quant_fp8_groups": "torch_npu has no e4m3 fp8 quant matching this recipe (its dynamic quant is int8)",
     "rmsnorm_quant_fp8": "as quant_fp8_groups",

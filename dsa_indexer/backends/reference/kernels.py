@@ -400,3 +400,23 @@ def fold_fp4_to_fp8(values: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch
     ratio = scales / row  # powers of two in [2^-..., 2^shift]
     folded = values.float().reshape(*scales.shape, block) * ratio[..., None]
     return folded.reshape(values.shape).to(fp8_dtype), row.squeeze(-1)
+
+
+def rotate_quant_fp4(x: torch.Tensor, block: int = 32, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hadamard (orthonormal, along the last dim; output rounded to bf16 as DeepSeek's ``rotate_activation``), FP4
+    e2m1 quant per ``block``, folded into fp8: ``(fp8 like x, row scale [...] fp32)``."""
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dim {x.shape[-1]} must be a multiple of the FP4 block {block}")
+    rotated = (x.float() @ hadamard_matrix(x.shape[-1], x.device)).to(torch.bfloat16)
+    return fold_fp4_to_fp8(*quant_fp4_e2m1(rotated, block), fp8_dtype)
+
+
+def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,
+                   weight_scale: float, rope_offset: int = 0, interleaved: bool = False, block: int = 32,
+                   fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's FP4 q: RoPE rounded to q's dtype (DeepSeek rotates in place), then `rotate_quant_fp4`; the row scale
+    joins the head weights like the fp8 q scale does."""
+    roped = apply_rope(q.float(), positions, cos_sin, rope_offset, interleaved).to(q.dtype)
+    q_fp8, row_scale = rotate_quant_fp4(roped, block, fp8_dtype)
+    return q_fp8, head_weights.float() * weight_scale * row_scale
