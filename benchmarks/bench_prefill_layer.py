@@ -1,10 +1,10 @@
 """One DeepSeek-V3.2 indexer layer's causal prefill of T tokens through `Indexer.forward` (issue 13), on a GPU.
 
     python benchmarks/bench_prefill_layer.py [--tokens 8192,32768,131072] [--once 1048576] [--repeats 3]
-        [--json PATH]
+        [--json PATH] [--model v32|v4] [--only PARTS] [--once-only PARTS]
 
-One request of T new tokens, no prefix, random weights (`init_random`), the default prefill budget (2 GiB). For
-each T:
+One request of T new tokens, no prefix, random weights (`init_random`), the default prefill budget (2 GiB);
+``--model v4``: V4-Flash's C4 indexer (its compressor stores T / 4 keys first, then top-512 scoring). For each T:
 
 * host planning: `PrefillBatch.build` and the first (and the cached) `plan_chunks` call, in ms;
 * the whole layer, `Indexer.forward` (keys stored first, then per planned chunk: q path + scoring), once per
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dsa_indexer import IndexerConfig, Indexer, IndexKCache, PrefillBatch, ops  # noqa: E402
+from dsa_indexer import CompressorState, IndexerConfig, Indexer, IndexKCache, PrefillBatch, ops  # noqa: E402
 from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
 
 OP = "ragged_mqa_topk"
@@ -70,13 +70,20 @@ def _same_sets(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
     return agree / total
 
 
-def bench(tokens: int, repeats: int, warmup: bool) -> dict:
-    cfg = IndexerConfig.deepseek_v32(max_position=max(163840, tokens + 64))
+def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tuple[str, ...] = ()) -> dict:
+    if model == "v4":  # V4-Flash's C4 indexer: one compressed key per 4 tokens, top-512, its compressor's state
+        cfg = IndexerConfig.deepseek_v4_flash()
+        ratio = 4
+    else:
+        cfg = IndexerConfig.deepseek_v32(max_position=max(163840, tokens + 64))
+        ratio = 1
     indexer = Indexer(cfg, device="cuda").init_random(0)
-    pages = tokens // 64 + 2
+    pages = tokens // ratio // 64 + 2
     table = torch.randperm(pages).to(torch.int32).view(1, pages)
+    state = CompressorState.allocate(1, cfg, "cuda") if ratio == 4 else None  # a request from position 0 never
+    # reads it, so every timed call may reuse it
     t0 = time.perf_counter()
-    batch = PrefillBatch.build([0], [tokens], table, num_cache_pages=pages, device="cuda")
+    batch = PrefillBatch.build([0], [tokens], table, num_cache_pages=pages, device="cuda", compress_ratio=ratio)
     build_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     plan = batch.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())
@@ -89,25 +96,35 @@ def bench(tokens: int, repeats: int, warmup: bool) -> dict:
     q_lora = torch.randn(tokens, cfg.q_lora_rank, device="cuda", generator=gen).to(torch.bfloat16)
     registry = default_registry()
     res = registry.resolve(OP, indexer.target, ops.problem(OP, heads=64, dim=128, fp8="fn", k=cfg.topk))
+    logits_impl = registry.resolve("ragged_mqa_logits", indexer.target,
+                                   ops.problem("ragged_mqa_logits", heads=64, dim=128, fp8="fn")).chosen.impl_id
     impls = [c.impl.impl_id for c in res.candidates if c.accepted and c.impl.vendor != "reference"]
-    report = {"tokens": tokens, "chunks": len(plan), "budget_GiB": indexer.logits_budget_bytes / 2**30,
+    if only:
+        impls = [impl for impl in impls if any(part in impl for part in only)]
+    report = {"model": cfg.name, "tokens": tokens, "keys": tokens // ratio, "topk": cfg.topk, "chunks": len(plan),
+              "budget_GiB": indexer.logits_budget_bytes / 2**30,
               "output_GiB": tokens * cfg.topk * 4 / 2**30, "build_ms": build_ms, "plan_ms": plan_ms,
-              "plan_cached_ms": plan_cached_ms, "implementations": impls, "layer_ms": {}, "layer_peak_GiB": {},
+              "plan_cached_ms": plan_cached_ms, "implementations": impls, "logits_impl": logits_impl,
+              "layer_ms": {}, "layer_peak_GiB": {},
               "scoring_ms": {}, "scoring_peak_GiB": {}}
-    cache = IndexKCache.allocate(pages, "cuda")
+    cache = IndexKCache.allocate(pages, "cuda", indexer.fp8_dtype)
+    report["keys_GiB"] = batch.gather_slots.numel() * 132 / 2**30
+    report["layer_chunks"] = {}
     outputs = {}
     for impl in impls:
         registry.force(OP, impl)
         try:
+            report["layer_chunks"][impl] = len(batch.plan_chunks(indexer.logits_budget_bytes,
+                                                                 *indexer.scoring_plan_bytes()))
             report["layer_ms"][impl], report["layer_peak_GiB"][impl], outputs[impl] = _timed(
-                lambda: indexer(x, q_lora, batch.positions, batch, cache), repeats, warmup)
+                lambda: indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state), repeats, warmup)
         finally:
             registry.force(OP, None)
     if len(outputs) > 1:
         first, *rest = list(outputs)
         report["set_agreement_vs_" + first] = {impl: _same_sets(outputs[impl], outputs[first]) for impl in rest}
     outputs.clear()
-    if tokens > SCORING_ALONE_MAX_TOKENS:  # q for every row at once would hold ~57 KiB per token
+    if tokens > SCORING_ALONE_MAX_TOKENS or not impls:  # q for every row at once would hold ~57 KiB per token
         report["scoring_ms"] = f"not measured above {SCORING_ALONE_MAX_TOKENS} tokens (q of every row at once)"
         return report
     # Scoring alone over the same chunks: q for every row once, keys gathered once (as _score_planned does).
@@ -125,9 +142,6 @@ def bench(tokens: int, repeats: int, warmup: bool) -> dict:
                               batch.ks[start:stop] - lo, batch.ke[start:stop] - lo)
 
     report["scoring_ms"]["ragged_mqa_logits alone"], _, _ = _timed(lambda: scoring(logits_only), repeats, warmup)
-    report["logits_impl"] = registry.resolve("ragged_mqa_logits", indexer.target,
-                                             ops.problem("ragged_mqa_logits", heads=64, dim=128, fp8="fn")
-                                             ).chosen.impl_id
     for impl in impls:
         registry.force(OP, impl)
         try:
@@ -151,21 +165,31 @@ def main(argv=None) -> int:
     parser.add_argument("--once", default="", help="comma-separated T timed once (e.g. 1048576)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--model", choices=("v32", "v4"), default="v32",
+                        help="v32: DeepSeek-V3.2 (top-2048); v4: V4-Flash's C4 indexer (top-512, keys = tokens / 4)")
+    parser.add_argument("--only", default="", help="comma-separated parts of implementation ids to run (all: '')")
+    parser.add_argument("--once-only", default="composed",
+                        help="like --only, for the --once sizes (default: the composition alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_prefill_layer needs a CUDA GPU; `dsa-indexer bench --suite prefill` runs on a CPU")
         return 0
     results = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
-    sizes = [(int(t), args.repeats, True) for t in args.tokens.split(",") if t]
-    sizes += [(int(t), 1, False) for t in args.once.split(",") if t]
-    for tokens, repeats, warmup in sizes:
+    only = tuple(part for part in args.only.split(",") if part)
+    once_only = tuple(part for part in args.once_only.split(",") if part)
+    sizes = [(int(t), args.repeats, True, only) for t in args.tokens.split(",") if t]
+    sizes += [(int(t), 1, False, once_only) for t in args.once.split(",") if t]
+    for tokens, repeats, warmup, parts in sizes:
         started = time.perf_counter()
-        run = bench(tokens, repeats, warmup)
+        run = bench(tokens, repeats, warmup, args.model, parts)
         torch.cuda.empty_cache()
         run["wall_s"] = time.perf_counter() - started
         results["runs"].append(run)
-        print(json.dumps(run, indent=1), flush=True)
+        short = {key: run[key] for key in ("model", "tokens", "chunks", "layer_chunks", "plan_ms", "layer_ms",
+                                           "layer_peak_GiB", "scoring_ms", "scoring_over_logits", "wall_s")
+                 if key in run}
+        print(json.dumps(short, separators=(",", ":")), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

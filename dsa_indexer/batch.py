@@ -245,6 +245,7 @@ class PrefillBatch:
         if self.host_bounds is None:
             self.host_bounds = (self.ks.cpu().long(), self.ke.cpu().long())
         ks, ke = (bound.numpy() for bound in self.host_bounds)
+        ks_at, ke_at = ks.item, ke.item  # Python ints without a numpy scalar each (~2x faster per read)
         rows = ks.shape[0]
         plan = []
         start = 0
@@ -253,19 +254,19 @@ class PrefillBatch:
             # (ke is non-decreasing). The answer n = stop - start is bracketed first: every row costs at least the
             # first row's width, so n <= n_max; every row of the first n_max costs at most the last one's, so
             # n_min fits. A binary search in [n_min, n_max] (a few steps: ke barely moves within a chunk).
-            base = int(ks[start])
-            first = (int(ke[start]) - base) * key_bytes + row_bytes
+            base = ks_at(start)
+            first = (ke_at(start) - base) * key_bytes + row_bytes
             n_max = min(rows - start, max(1, budget_bytes // first if first > 0 else rows))
-            widest = (int(ke[start + n_max - 1]) - base) * key_bytes + row_bytes
+            widest = (ke_at(start + n_max - 1) - base) * key_bytes + row_bytes
             lo = start + max(1, min(n_max, budget_bytes // widest if widest > 0 else n_max))
             hi = start + n_max
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if (mid - start) * ((int(ke[mid - 1]) - base) * key_bytes + row_bytes) <= budget_bytes:
+                if (mid - start) * ((ke_at(mid - 1) - base) * key_bytes + row_bytes) <= budget_bytes:
                     lo = mid
                 else:
                     hi = mid - 1
-            plan.append((start, lo, base, int(ke[lo - 1])))
+            plan.append((start, lo, base, ke_at(lo - 1)))
             start = lo
         self._plans[(budget_bytes, row_bytes, key_bytes)] = plan
         return plan

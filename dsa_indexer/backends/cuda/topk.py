@@ -1,6 +1,6 @@
 """The CUDA top-k: its launch plans, the adapter with the reference's signature, the self-test.
 
-Three kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
+Four kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
 in a CUDA graph, and the plan is computed once per shape: `plan_for` is cached, so every layer of a decode step
 shares one plan and pays a dictionary look-up for it):
 
@@ -11,6 +11,10 @@ shares one plan and pays a dictionary look-up for it):
   the register kernel would need more than two waves of CTAs (128 x 128K): one 512-thread CTA per row
   reads the row once, keeps the keys above a threshold estimated from a sample, and selects among those (the
   whole row when the sample misled it: exact either way);
+- the prefill kernel in ``csrc/topk_registers.cu`` for a prefill chunk's rows (thousands of rows of 4K to 16M
+  columns): the streaming kernel's sample, pass and select in 256-thread CTAs, three per SM, each looping over rows,
+  so one row's select (a chain of block barriers) overlaps other rows' passes over their columns; its output order
+  is fixed by block scans, not a bitmap, so any width fits;
 - ``csrc/topk.cu`` for wider rows: 1024-thread CTAs holding up to 44K columns each in shared memory, a cluster of
   up to 8 per row (`plan`). Rows too wide for that too (over about 360K columns) go to the Triton top-k, which
   takes any width.
@@ -42,6 +46,14 @@ REGISTERS_MAX_CLUSTER = 16  # the register kernel's clusters may be non-portable
 STREAM_MIN_COLS = 32768  # the streaming kernel serves longer rows only (shorter ones fit the register kernel's wave)
 STREAM_MAX_COLS = 1 << 18  # its shared bitmap of selected columns holds this many
 STREAM_AFTER_WAVES = 2  # the streaming kernel takes rows whose register launch needs more waves than this
+# The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
+# at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
+PREFILL_MIN_ROWS = 1024
+# Up to 8K columns one register-kernel CTA holds a row and was faster (H200, 8192 x 8192 causal: 0.27 vs 0.37 ms;
+# prefill_scoring_h200.json); from 16K columns on the prefill kernel is (32K-token chunks: 3.1 vs 4.4 ms).
+PREFILL_MIN_COLS = 8192
+PREFILL_MAX_COLS = 1 << 24  # its column tie-break key holds 24 bits
+PREFILL_THREADS = 256  # 256-thread CTAs, three per SM (512: two per SM; kept for measurements)
 
 
 class Plan(NamedTuple):
@@ -91,6 +103,11 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
+    lib.dsa_topk_prefill_launch.restype = ctypes.c_int
+    lib.dsa_topk_prefill_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_prefill_blocks_per_sm.restype = ctypes.c_int
+    lib.dsa_topk_prefill_blocks_per_sm.argtypes = [ctypes.c_int]
+    lib.dsa_topk_prefill_max_cols.restype = ctypes.c_int
     lib.dsa_topk_registers_error_string.restype = ctypes.c_char_p
     lib.dsa_topk_registers_error_string.argtypes = [ctypes.c_int]
     return lib
@@ -121,7 +138,12 @@ def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     register launch needs more than two waves (two CTAs per SM each) take the streaming kernel: each wave pays
     the register kernel's barrier chain again, while the streaming kernel reads each row once in one wave
     (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two
-    waves, 66 vs 64 us, so the register kernel keeps it)."""
+    waves, 66 vs 64 us, so the register kernel keeps it). Prefill chunks (at least PREFILL_MIN_ROWS rows of at
+    least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel: small CTAs, three per SM, that
+    overlap one row's select with other rows' streaming passes; so do rows too wide for the other CUDA kernels
+    when there are at least as many as SMs (else the Triton top-k serves them, as before)."""
+    if rows >= PREFILL_MIN_ROWS and PREFILL_MIN_COLS < cols < PREFILL_MAX_COLS:
+        return Plan("prefill", 1, PREFILL_THREADS)
     reg = register_plan(rows, cols, sms)
     if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS
             and rows * reg[0] > STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
@@ -129,7 +151,11 @@ def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     if reg is not None:
         return Plan("registers", *reg)
     shared = plan(rows, cols, sms, vec)
-    return Plan("shared", *shared) if shared is not None else None
+    if shared is not None:
+        return Plan("shared", *shared)
+    if rows >= sms and cols < PREFILL_MAX_COLS:  # a 1M-token prefill's last chunks (~500 rows of 1M columns)
+        return Plan("prefill", 1, PREFILL_THREADS)
+    return None
 
 
 def plan(rows: int, cols: int, sms: int, vec: int) -> tuple[int, int] | None:
@@ -144,6 +170,12 @@ def plan(rows: int, cols: int, sms: int, vec: int) -> tuple[int, int] | None:
     cluster = min(cluster, MAX_CLUSTER)  # past 8 x 32K columns, CTAs hold more (up to MAX_CHUNK each)
     chunk = -(-steps // cluster) * step
     return None if chunk > MAX_CHUNK else (cluster, chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_blocks_per_sm(capability: tuple[int, int], threads: int) -> int:
+    """CTAs of the prefill kernel that share one SM (its occupancy; 0: it cannot launch), queried once."""
+    return int(_registers_library(capability).dsa_topk_prefill_blocks_per_sm(threads))
 
 
 def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:
@@ -178,6 +210,10 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         reg_lib = _registers_library(capability)
         if cols > reg_lib.dsa_topk_stream_max_cols() or reg_lib.dsa_topk_stream_smem_bytes() > optin:
             launch = None
+    if launch is not None and launch.kernel == "prefill":
+        reg_lib = _registers_library(capability)
+        if cols >= reg_lib.dsa_topk_prefill_max_cols() or _prefill_blocks_per_sm(capability, launch.per_cta) < 1:
+            launch = None
     if launch is None:
         from ..triton.topk import topk_indices as wide_rows  # any width; the op's contract is the same
 
@@ -192,7 +228,12 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     args = (x.data_ptr(), x.stride(0), rows, cols, k, starts.data_ptr() if starts is not None else None,
             ends.data_ptr(), bt.data_ptr() if bt is not None else None, bt.stride(0) if bt is not None else 0,
             req.data_ptr() if req is not None else None, out.data_ptr())
-    if launch.kernel == "stream":
+    if launch.kernel == "prefill":
+        lib = _registers_library(capability)
+        grid = min(rows, sms * _prefill_blocks_per_sm(capability, launch.per_cta))
+        err = lib.dsa_topk_prefill_launch(*args, launch.per_cta, grid, int(vec == 4), stream)
+        message = lib.dsa_topk_registers_error_string
+    elif launch.kernel == "stream":
         lib = _registers_library(capability)
         err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
@@ -250,9 +291,10 @@ def self_test(device: torch.device, topk=None) -> None:
     from ..reference import kernels as ref
 
     candidates = {"planned": topk or topk_indices}
-    if topk is None:  # the streaming kernel serves few shapes by plan: force it on every case it can hold
+    if topk is None:  # the streaming and prefill kernels serve few shapes by plan: force them on every case
         candidates["stream"] = lambda *a: run_plan(*a, Plan("stream", 1, 0)) if a[0].shape[1] <= STREAM_MAX_COLS \
             else topk_indices(*a)
+        candidates["prefill"] = lambda *a: run_plan(*a, Plan("prefill", 1, PREFILL_THREADS))
     for name, fn in candidates.items():
         for n, (logits, k, ends, starts, table, req) in enumerate(_self_test_cases(device)):
             got = fn(logits, k, ends, starts, table, req)

@@ -607,6 +607,452 @@ cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// ---- The prefill kernel: a prefill chunk's rows (thousands of rows of 8K-1M columns; issue 27). The streaming
+// kernel's plan (sample -> threshold -> one pass keeping the keys above it -> exact select over those), shaped for
+// many rows instead of a few long ones:
+// - small CTAs (256 threads, <= 80 registers, ~66 KB of shared memory) so that three share an SM: while one runs
+//   its select (a chain of block barriers), the others stream their rows, and the SM's loads never stop;
+// - rows no wider than the candidate buffer skip the sample and keep every column (the exact select over them);
+// - no bitmap (its 1 bit per column would cost 128 KB at 1M columns): the candidates are appended in a fixed order
+//   (a block scan per pass step assigns the slots: step, then thread, then the thread's own columns), so the
+//   output, written in that order, is bitwise repeatable; the rare exact fallback over the whole row writes the
+//   same way;
+// - columns up to 2^24 in the tie-break key (a 1M-token prefill's rows).
+constexpr int kPrefillCap = 6144;           // candidate slots (key + column: 48 KB)
+constexpr int kPrefillColBits = 24;         // tie-break key ~column: windows of < 2^24 columns
+// float4 loads in flight per thread per pass step: the most that fit the register budget without spills
+// (nvcc 13.0, sm90: 6 at 256 threads x 80 registers, 4 at 512 x 64)
+template <int T>
+constexpr int prefill_unroll() { return T >= 512 ? 4 : 6; }
+constexpr int kPrefillSampleKeys = 8192;    // 2048 float4s spread over the row
+
+template <int T>
+struct PrefillShared {
+  int hist[2][kBins];
+  int group[kBins / 32];
+  int found[3];
+  int warp_sum[2][T / 32];
+  unsigned min_max[2][T / 32];  // per-warp min / max of a key set (block_min_max)
+  union {
+    struct {
+      unsigned cand_key[kPrefillCap];
+      int cand_col[kPrefillCap];
+    };
+    unsigned sample[kPrefillSampleKeys];  // the sampled keys, before any candidate is written
+  };
+};
+
+// `find_bin` for one CTA of T threads (no cluster): the bin holding the k_rem-th largest of `h`, how many of it are
+// still needed, its count; `next` is cleared on the way (nobody reads it any more: it is two levels old).
+template <int T>
+__device__ __forceinline__ void prefill_find_bin(int* h, int* next, int k_rem, PrefillShared<T>& s, int& bin,
+                                                 int& need, int& count) {
+  constexpr int kPer = kBins / T;        // bins per thread: 8 (T = 256) or 4 (T = 512)
+  constexpr int kThreadsPerGroup = 32 / kPer;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  __syncthreads();  // this level's atomics are complete
+  int m = 0;
+#pragma unroll
+  for (int j = 0; j < kPer / 4; ++j) {
+    const int4 v = reinterpret_cast<const int4*>(h)[t * (kPer / 4) + j];
+    m += v.x + v.y + v.z + v.w;
+    reinterpret_cast<int4*>(next)[t * (kPer / 4) + j] = make_int4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int off = 1; off < kThreadsPerGroup; off <<= 1) m += __shfl_xor_sync(0xffffffffu, m, off);
+  if ((lane & (kThreadsPerGroup - 1)) == 0) s.group[t / kThreadsPerGroup] = m;
+  __syncthreads();  // the group sums are complete
+  if (warp == 0) {
+    const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];  // groups 2 * lane, 2 * lane + 1
+    const int lo = pair.x, hi = pair.y, both = lo + hi;
+    int incl = both;  // over lanes >= lane: groups above, larger keys first
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl, off);
+      if (lane + off < 32) incl += y;
+    }
+    const int above_hi = incl - both, above_lo = above_hi + hi;
+    int group = -1, above = 0;
+    if (above_hi < k_rem && above_hi + hi >= k_rem) {
+      group = 2 * lane + 1;
+      above = above_hi;
+    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
+      group = 2 * lane;
+      above = above_lo;
+    }
+    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;
+    group = __shfl_sync(0xffffffffu, group, src);
+    above = __shfl_sync(0xffffffffu, above, src);
+    const int c = h[group * 32 + lane];
+    int incl2 = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
+      if (lane + off < 32) incl2 += y;
+    }
+    const int above_bin = above + incl2 - c;
+    if (above_bin < k_rem && above_bin + c >= k_rem) {
+      s.found[0] = group * 32 + lane;
+      s.found[1] = k_rem - above_bin;
+      s.found[2] = c;
+    }
+  }
+  __syncthreads();
+  bin = s.found[0];
+  need = s.found[1];
+  count = s.found[2];
+}
+
+// Exclusive block scan of `mine` (the step's warp sums in warp_sum[parity]): the thread's offset among the
+// block's, and the block's total. One barrier: the other parity's buffer is written by the next step, and every
+// thread has read this one before it passes that step's barrier.
+template <int T>
+__device__ __forceinline__ int prefill_scan(int mine, PrefillShared<T>& s, int parity, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += y;
+  }
+  if (lane == 31) s.warp_sum[parity][warp] = incl;
+  __syncthreads();
+  int offset = incl - mine;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) {
+    const int n = s.warp_sum[parity][w];
+    offset += w < warp ? n : 0;
+    total += n;
+  }
+  return offset;
+}
+
+// The block's min and max of the threads' `lo` / `hi` (every thread gets them). Why: a radix select over keys that
+// share their high bits (the candidates are all >= one threshold; a row's logits span few exponents) would put them
+// all in a few bins of its first 11-bit level, serialising the shared-memory atomics; starting at the highest bit
+// where min and max differ spreads them over the bins and saves the levels above.
+template <int T>
+__device__ __forceinline__ void block_min_max(unsigned& lo, unsigned& hi, PrefillShared<T>& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) {
+    s.min_max[0][warp] = lo;
+    s.min_max[1][warp] = hi;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) {
+    lo = min(lo, s.min_max[0][w]);
+    hi = max(hi, s.min_max[1][w]);
+  }
+}
+
+// The radix start for keys in [lo, hi]: the bits above the highest one where they differ are common (the class
+// prefix), so the first level reads the 11 bits below it.
+__device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift, unsigned& prefix) {
+  const unsigned diff = lo ^ hi;
+  shift = diff == 0u ? 0 : 32 - __clz(diff);
+  prefix = shift >= 32 ? 0u : hi >> shift;
+}
+
+// One pass over the row's window, prefill_unroll<T>() float4s per thread per step: sink(slot, key, column) for every
+// key with take(key, column), at slots 0, 1, ... in the fixed order (step, thread, the thread's own columns);
+// returns how many were taken (sink is called for every one: it checks its own capacity).
+template <int T, class Take, class Sink>
+__device__ __forceinline__ int prefill_pass(const float* x_row, int base, int nvec, int start, int end, int aligned,
+                                            PrefillShared<T>& s, Take&& take, Sink&& sink, unsigned& lo,
+                                            unsigned& hi) {
+  constexpr int U = prefill_unroll<T>();
+  const int t = threadIdx.x;
+  const int steps = (nvec + T * U - 1) / (T * U);  // uniform over the block
+  const int v_lo = start > base ? 1 : 0;  // the float4s wholly inside the window: [v_lo, v_hi)
+  const int v_hi = (end - base) >> 2;
+  int taken = 0;
+  for (int step = 0; step < steps; ++step) {
+    const int v0 = step * T * U;
+    float4 q[U];
+    if (aligned && v0 >= v_lo && v0 + T * U <= v_hi) {  // uniform
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * (v0 + u * T + t)));
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + u * T + t;
+        q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    unsigned key[U][4];  // columns past the window get key 0
+    unsigned taken_bits = 0u;
+    int mine = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c0 = base + 4 * (v0 + u * T + t);
+      keys4(q[u], c0, start, end, key[u]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool yes = key[u][i] != 0u && take(key[u][i], c0 + i);
+        taken_bits |= yes ? (1u << (4 * u + i)) : 0u;
+        mine += yes ? 1 : 0;
+      }
+    }
+    int total;
+    int slot = taken + prefill_scan<T>(mine, s, step & 1, total);
+    taken += total;
+    if (taken_bits != 0u) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c0 = base + 4 * (v0 + u * T + t);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (taken_bits & (1u << (4 * u + i))) {
+            sink(slot++, key[u][i], c0 + i);
+            lo = min(lo, key[u][i]);  // of the taken keys (the caller's select starts where they differ)
+            hi = max(hi, key[u][i]);
+          }
+      }
+    }
+  }
+  return taken;
+}
+
+template <int T, int MIN_BLOCKS>
+__global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char prefill_smem[];
+  PrefillShared<T>& s = *reinterpret_cast<PrefillShared<T>*>(prefill_smem);
+  const int t = threadIdx.x;
+  constexpr unsigned kColMask = (1u << kPrefillColBits) - 1u;
+
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int end = p.ends[row];
+    const int start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = end - start;
+
+    if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
+      for (int j = t; j < p.k; j += T) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;
+    }
+    const float* x_row = p.x + (long long)row * p.x_stride;
+    const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
+    const int nvec = (end - base + 3) >> 2;
+    for (int j = t; j < kBins / 4; j += T) reinterpret_cast<int4*>(s.hist[0])[j] = make_int4(0, 0, 0, 0);
+
+    // ---- 1. the threshold: every column when the window fits the candidates, else from a sample
+    int level = 0, bin, need, count;
+    unsigned threshold = 1u;  // key 0 marks padding, never a candidate
+    if (width > kPrefillCap) {
+      constexpr int kVecs = kPrefillSampleKeys / 4 / T;  // sampled float4s per thread
+      // The threshold aims at `target` candidates, 2 k for k <= 2048 (4096: as far, relative to its own spread,
+      // from the k it must reach as from the capacity it must not pass), the midpoint of k and the capacity above.
+      // It is the m-th largest sampled key, m = the target's share of the sample (each sampled key stands for
+      // width / 8192 columns); the sample holds more than 6144 keys (every sampled float4 has >= 1 window column,
+      // the window is wider than 6144 so the float4s sampled are mostly distinct and whole).
+      const long long target = min(2LL * p.k, (p.k + (long long)kPrefillCap) / 2);
+      const long long want = (target * kPrefillSampleKeys) / width;
+      int m = (int)(want < 1 ? 1 : (want > kPrefillCap ? kPrefillCap : want));
+      unsigned lo = 0xffffffffu, hi = 0u;  // over the sampled window keys
+      {
+        float4 q[kVecs];
+        int c0[kVecs];
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          c0[j] = base + 4 * (int)(((long long)(j * T + t) * nvec) / (kVecs * T));
+          q[j] = raw_load4(x_row, c0[j], start, end, p.aligned);
+        }
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          unsigned key[4];
+          keys4(q[j], c0[j], start, end, key);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s.sample[(4 * j + i) * T + t] = key[i];  // kept in shared memory for the levels, not in registers
+            if (key[i] != 0u) {
+              lo = min(lo, key[i]);
+              hi = max(hi, key[i]);
+            }
+          }
+        }
+      }
+      block_min_max<T>(lo, hi, s);  // its barrier also orders the cleared histogram before the atomics
+      // Two levels of 11 bits from the highest varying bit: the threshold is the m-th largest sampled key's
+      // prefix of those bits (every key at or above it is a candidate).
+      int sshift;
+      unsigned sprefix;
+      radix_start(lo, hi, sshift, sprefix);
+      for (int pass = 0; pass < 2; ++pass) {
+        const int nshift = sshift > kBinBits ? sshift - kBinBits : 0;
+        const unsigned digit_mask = (1u << (sshift - nshift)) - 1u;
+        int* h = s.hist[level & 1];
+#pragma unroll 4
+        for (int e = 0; e < 4 * kVecs; ++e) {
+          const unsigned kk = s.sample[e * T + t];
+          if (kk != 0u && (sshift >= 32 || (kk >> sshift) == sprefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+        }
+        prefill_find_bin<T>(h, s.hist[(level + 1) & 1], m, s, bin, need, count);
+        ++level;
+        sprefix = (sshift >= 32 ? 0u : (sprefix << (sshift - nshift))) | (unsigned)bin;
+        sshift = nshift;
+        m = need;
+        if (count == need || sshift == 0) break;
+      }
+      threshold = sprefix << sshift;
+      __syncthreads();  // every thread read its sample before the pass overwrites it with candidates
+      if (threshold == 0u) threshold = 1u;
+    } else {
+      __syncthreads();  // the cleared histogram
+    }
+
+    // ---- 2. one pass: keys >= threshold, in the fixed order, to the candidates
+    unsigned cand_lo = 0xffffffffu, cand_hi = 0u;
+    const int n_cand = prefill_pass<T>(
+        x_row, base, nvec, start, end, p.aligned, s, [&](unsigned kk, int) { return kk >= threshold; },
+        [&](int slot, unsigned kk, int c) {
+          if (slot < kPrefillCap) {
+            s.cand_key[slot] = kk;
+            s.cand_col[slot] = c;
+          }
+        },
+        cand_lo, cand_hi);
+    const bool fast = n_cand >= p.k && n_cand <= kPrefillCap;  // uniform; else the exact select over the row
+    block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates are complete
+
+    auto for_each_key = [&](auto&& f) {
+      if (fast) {
+        for (int i = t; i < n_cand; i += T) f(s.cand_key[i], s.cand_col[i]);
+      } else {
+        for (int v = t; v < nvec; v += T) {
+          unsigned key[4];
+          const int c0 = base + 4 * v;
+          load_vec4(x_row, c0, start, end, p.aligned, key);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) f(key[i], c0 + i);
+        }
+      }
+    };
+
+    // ---- 3. exact radix select on the key (11-bit levels from the candidates' highest varying bit; the row's
+    // from bit 31), then on ~column among ties at the k-th key
+    unsigned prefix = 0u;
+    int shift = 32;
+    if (fast) radix_start(cand_lo, cand_hi, shift, prefix);
+    int k_rem = p.k;
+    bool tie = false;
+    while (true) {
+      const int nshift = shift > kBinBits ? shift - kBinBits : 0;
+      const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
+      int* h = s.hist[level & 1];
+      for_each_key([&](unsigned kk, int) {
+        if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+      });
+      prefill_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+      ++level;
+      prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
+      shift = nshift;
+      k_rem = need;
+      if (count == need) break;
+      if (shift == 0) {
+        tie = true;
+        break;
+      }
+    }
+    unsigned prefix2 = 0u;
+    int shift2 = kPrefillColBits;
+    if (tie) {
+      while (true) {
+        const int nshift = shift2 > kBinBits ? shift2 - kBinBits : 0;
+        const unsigned digit_mask = (1u << (shift2 - nshift)) - 1u;
+        int* h = s.hist[level & 1];
+        for_each_key([&](unsigned kk, int c) {
+          if (kk == prefix) {
+            const unsigned k2 = kColMask - (unsigned)(c - start);
+            if (shift2 >= kPrefillColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
+          }
+        });
+        prefill_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+        ++level;
+        prefix2 = (shift2 >= kPrefillColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
+        shift2 = nshift;
+        k_rem = need;
+        if (count == need) break;
+      }
+    }
+    auto selected = [&](unsigned kk, int c) {
+      if (kk == 0u) return false;
+      const unsigned cls = kk >> shift;
+      if (cls != prefix) return cls > prefix;
+      return !tie || ((kColMask - (unsigned)(c - start)) >> shift2) >= prefix2;
+    };
+
+    // ---- 4. the k selected, written in the candidates' fixed order (fast) or the row's (fallback)
+    if (fast) {
+      // Warp w owns candidate slots [w * per, (w + 1) * per), read 32 consecutive slots at a time (no bank
+      // conflicts); its selected keys go out in slot order after the lower warps' (one block scan of the counts).
+      const int lane = t & 31, warp = t >> 5;
+      const int per = ((n_cand + T - 1) / T) * 32;
+      const int i0 = warp * per, i1 = min(n_cand, i0 + per);
+      int mine = 0;
+      for (int i = i0 + lane; i - lane < i1; i += 32) {
+        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
+        mine += __popc(__ballot_sync(0xffffffffu, sel));
+      }
+      int total;
+      int slot = prefill_scan<T>(lane == 0 ? mine : 0, s, 0, total);  // lane 0 carries the warp's count
+      slot = __shfl_sync(0xffffffffu, slot, 0);
+      const unsigned lanes_below = (1u << lane) - 1u;
+      for (int i = i0 + lane; i - lane < i1; i += 32) {
+        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
+        const unsigned mask = __ballot_sync(0xffffffffu, sel);
+        if (sel) out_row[slot + __popc(mask & lanes_below)] = out_value(s.cand_col[i] - start, req, p);
+        slot += __popc(mask);
+      }
+    } else {
+      unsigned unused_lo = 0xffffffffu, unused_hi = 0u;
+      prefill_pass<T>(
+          x_row, base, nvec, start, end, p.aligned, s, selected,
+          [&](int slot, unsigned, int c) {
+            if (slot < p.k) out_row[slot] = out_value(c - start, req, p);
+          },
+          unused_lo, unused_hi);
+    }
+    __syncthreads();  // histograms, candidates and warp sums are reused by the next row
+  }
+}
+
+template <int T, int MIN_BLOCKS>
+cudaError_t prefill_configure() {
+  static bool configured = false;  // host work once: the >48 KB dynamic shared memory opt-in
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(topk_prefill_kernel<T, MIN_BLOCKS>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)sizeof(PrefillShared<T>));
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  return cudaSuccess;
+}
+
+template <int T, int MIN_BLOCKS>
+cudaError_t launch_prefill(const Params& p, int grid, cudaStream_t stream) {
+  const cudaError_t err = prefill_configure<T, MIN_BLOCKS>();
+  if (err != cudaSuccess) return err;
+  topk_prefill_kernel<T, MIN_BLOCKS><<<grid, T, sizeof(PrefillShared<T>), stream>>>(p);
+  return cudaSuccess;
+}
+
+template <int T, int MIN_BLOCKS>
+int prefill_blocks_per_sm() {
+  if (prefill_configure<T, MIN_BLOCKS>() != cudaSuccess) return 0;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, topk_prefill_kernel<T, MIN_BLOCKS>, T,
+                                                    sizeof(PrefillShared<T>)) != cudaSuccess)
+    return 0;
+  return blocks;
+}
+
 template <int KPT>
 cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t stream) {
   if (cluster > 8) {  // 16 CTAs per cluster is beyond the portable 8: allowed per kernel, once (host work)
@@ -676,6 +1122,30 @@ int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int col
   if (cols > kStreamMaxCols || grid < 1) return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
   const cudaError_t err = launch_stream(p, grid, (cudaStream_t)stream);
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+// The prefill kernel (one CTA per row at a time, `grid` CTAs looping over the rows), `threads` 256 or 512: rows of
+// fewer than dsa_topk_prefill_max_cols() columns.
+int dsa_topk_prefill_max_cols() { return 1 << kPrefillColBits; }
+
+// CTAs of the prefill kernel that fit one SM (0: not launchable), for the grid size.
+int dsa_topk_prefill_blocks_per_sm(int threads) {
+  if (threads == 256) return prefill_blocks_per_sm<256, 3>();
+  if (threads == 512) return prefill_blocks_per_sm<512, 2>();
+  return 0;
+}
+
+int dsa_topk_prefill_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
+                            const int* ends, const int* block_table, long long bt_stride, const int* row_request,
+                            int* out, int threads, int grid, int aligned, void* stream) {
+  if (cols >= (1 << kPrefillColBits) || grid < 1) return (int)cudaErrorInvalidValue;
+  Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
+  cudaError_t err;
+  if (threads == 256) err = launch_prefill<256, 3>(p, grid, (cudaStream_t)stream);
+  else if (threads == 512) err = launch_prefill<512, 2>(p, grid, (cudaStream_t)stream);
+  else return (int)cudaErrorInvalidValue;
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
