@@ -181,11 +181,39 @@ def bench_decode(run: _Run, batch: int, context: int) -> None:
                           slots=False)
     bytes_moved = batch * context * (132 + 4)  # keys + scales read, fp32 logits written (an upper bound)
     shape = {"batch": batch, "context": context}
+    keys_bytes = batch * context * 132  # the floor: every key and scale read once
+    kernel_us = _deepgemm_kernel_alone(run, args, shape, keys_bytes)
     for impl in run.accepted("lightning_indexer", problem, shape, work=batch * context):
         us = run.timed("lightning_indexer", impl, lambda: ops.lightning_indexer(*args, TOPK), shape)
         if us is not None:
+            extra = {"keys_floor_us": keys_bytes / run.report.ceilings["copy_GBps"] / 1e3}
+            if kernel_us:
+                extra["time_vs_deepgemm_logits_kernel"] = us / kernel_us
             run.add("decode", "lightning_indexer", impl, shape, us, bytes_moved, "GB/s",
-                    run.report.ceilings["copy_GBps"], bytes=bytes_moved)
+                    run.report.ceilings["copy_GBps"], bytes=bytes_moved, **extra)
+
+
+DEEPGEMM_PAGED = "paged_mqa_logits.cuda.deepgemm"
+DEEPGEMM_KERNEL_ROW = "deepgemm_paged_logits_kernel_alone"
+
+
+def _deepgemm_kernel_alone(run: _Run, args, shape: dict, keys_bytes: int) -> float | None:
+    """DeepGEMM's paged logits kernel alone (no tail mask, its schedule metadata made once per step, as every
+    layer after the first sees it), where the registry accepts it: the yardstick of issue 23 (lightning_indexer
+    <= 1.15x this). None where DeepGEMM is not accepted here."""
+    problem = ops.problem("paged_mqa_logits", heads=HEADS, dim=DIM, next_n=1, fp8=_fp8_name(run.fp8))
+    res = default_registry().resolve("paged_mqa_logits", run.target, problem)
+    if not any(c.accepted and c.impl.impl_id == DEEPGEMM_PAGED for c in res.candidates):
+        return None
+    with _Forced("paged_mqa_logits", DEEPGEMM_PAGED):
+        unmasked = getattr(default_registry().function("paged_mqa_logits", run.target, problem), "unmasked", None)
+    if unmasked is None:
+        return None
+    us = run.timed("paged_mqa_logits", DEEPGEMM_PAGED, lambda: unmasked(*args), shape)
+    if us is not None:
+        run.add("decode", "paged_mqa_logits", DEEPGEMM_KERNEL_ROW, shape, us, keys_bytes, "GB/s",
+                run.report.ceilings["copy_GBps"], bytes=keys_bytes)
+    return us
 
 
 def step_floor_bytes(indexer, batch: int, context: int) -> int:

@@ -12,7 +12,10 @@ Registrations (all through the one plugin hook):
 - ``topk_indices.cuda.radix`` (`topk.py`, priority 200): the exact cluster radix top-k;
 - ``topk_indices.cuda.flashinfer`` (`flashinfer_topk.py`, priority 60, fact ``flashinfer``): FlashInfer's top-k;
 - ``lightning_indexer.cuda.deepgemm_radix`` (`lightning.py`, priority 200): DeepGEMM's paged logits consumed
-  unmasked by the CUDA top-k, schedule metadata once per step.
+  unmasked by the CUDA top-k, schedule metadata once per step;
+- ``lightning_indexer.cuda.fused`` (`lightning_fused.py`, priority -1: opt-in, see `FUSED_LIGHTNING_PRIORITY`,
+  fact ``cuda_jit``): logits and top-k in one CUDA kernel, the logits in shared memory; its factory builds the
+  kernel and self-tests it against the reference (a failure rejects it with the reason, and resolution moves on).
 
 ``deep_gemm`` is imported only by the probe and the factories, so importing dsa_indexer never needs it; nvcc is
 run only by the ``cuda_jit`` probe, at the first resolution that needs it.
@@ -135,6 +138,38 @@ def _lightning_available(target: Target, env: Environment) -> str | None:
     return _available("paged_mqa_logits")(target, env)
 
 
+# Opt-in only (below the composition and the reference): measured on the H200 (issue 23,
+# benchmarks/results/decode_step_h200.json) it is 2.3-10x slower than DeepGEMM + the CUDA top-k, and slower
+# than the composition without DeepGEMM, at every decode cell. Its fp8 mma.sync is emulated on sm90 (convert + HMMA) and
+# compute-bound, and its cluster select costs ~20 us. Force it with
+# DSA_INDEXER_FORCE=lightning_indexer=lightning_indexer.cuda.fused.
+FUSED_LIGHTNING_PRIORITY = -1
+FUSED_LIGHTNING_HEADS = 64
+
+
+def _fused_lightning_supports(problem: Problem, target: Target) -> list[str]:
+    reasons = []
+    heads = problem.get("heads")
+    if heads is not None and heads != FUSED_LIGHTNING_HEADS:
+        reasons.append(f"heads={heads}: the fused CUDA lightning kernel is built for {FUSED_LIGHTNING_HEADS} heads")
+    dim = problem.get("dim")
+    if dim is not None and dim != HEAD_DIM:
+        reasons.append(f"head dim {dim}: the fused CUDA lightning kernel takes {HEAD_DIM} (the cache layout's)")
+    fp8 = problem.get("fp8")
+    if fp8 is not None and fp8 != "fn":
+        reasons.append(f"fp8={fp8}: the fused CUDA lightning kernel takes float8_e4m3fn only")
+    return reasons
+
+
+def _fused_lightning_factory():
+    from . import lightning_fused
+
+    reason = lightning_fused.probe()
+    if reason is not None:
+        raise RuntimeError(reason)
+    return lightning_fused.lightning_indexer
+
+
 def _flashinfer_probe() -> str | None:
     from . import flashinfer_topk
 
@@ -205,6 +240,12 @@ def dsa_indexer_register(registry: Registry) -> None:
                             available=_lightning_available, supports=_lightning_supports,
                             description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k"
                             )(_lightning_factory)
+    registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.fused", targets=JIT_TARGETS,
+                            priority=FUSED_LIGHTNING_PRIORITY, requires=("gpu", "cuda_jit"),
+                            supports=_fused_lightning_supports,
+                            description="one CUDA kernel: fp8 mma.sync paged logits in shared memory + cluster radix "
+                                        "top-k (JIT-built; opt-in: slower than DeepGEMM + radix on the H200)"
+                            )(_fused_lightning_factory)
     from .dual_stream import register_dual_stream
 
     register_dual_stream(registry)
