@@ -4,9 +4,9 @@ fp32(D^-0.5), rounded to bf16, then the reference's e2m1 quant (`quant_fp4_e2m1`
 weights = head_weights * weight_scale * row_scale. Used by the Triton FP4 prologue tests (CPU and H200).
 
 The butterfly order is what makes the recipe device-independent (every operation is one correctly rounded fp32 add,
-subtract or multiply); the library's torch reference (`backends/reference/kernels.rotate_quant_fp4`) computes the same
-Hadamard as ``x.float() @ hadamard_matrix(D)``, whose summation order is the BLAS's (1-4 codes per million differ on
-the H200). Replacing that matmul by `rotate_bf16` below makes the reference bit-identical to the Triton kernel."""
+subtract or multiply). The library's torch reference (`backends/reference/kernels.hadamard_butterfly`) follows the
+same order; before it did, its fp32 matmul (summed in the BLAS's order) differed in 1-4 codes per million on the H200.
+This file is written separately from it, so that the tests do not check the library against itself."""
 
 import torch
 

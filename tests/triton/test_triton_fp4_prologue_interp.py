@@ -130,3 +130,15 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="FP4 block"):
         tprologue.q_prologue_fp4(q, torch.zeros(2, dtype=torch.int64), torch.zeros(4, 64), torch.zeros(2, 4), 1.0,
                                  block=48)
+
+
+def test_the_registered_reference_is_the_recipe():
+    """`ops.q_prologue_fp4`'s reference computes the same bits (its Hadamard is the butterfly transform too), so the
+    Triton kernel is bit-identical to the reference it is registered beside."""
+    q, positions, cos_sin, head_weights = _inputs(40, 16, 64, seed=9)
+    want = fp4_q_recipe(q, positions, cos_sin, head_weights, 0.0883, 64, True, 32, torch.float8_e4m3fn)
+    got = ref.q_prologue_fp4(q, positions, cos_sin, head_weights, 0.0883, 64, True, 32, torch.float8_e4m3fn)
+    assert _same_bits(got, want)
+    keys = ref.rotate_quant_fp4(q.reshape(-1, 128))  # the compressor's keys go through the same rotation
+    assert torch.equal(keys[0].view(torch.uint8), ref.fold_fp4_to_fp8(
+        *ref.quant_fp4_e2m1(rotate_bf16(q.reshape(-1, 128)), 32), torch.float8_e4m3fn)[0].view(torch.uint8))

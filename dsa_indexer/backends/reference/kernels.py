@@ -402,13 +402,29 @@ def fold_fp4_to_fp8(values: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch
     return folded.reshape(values.shape).to(fp8_dtype), row.squeeze(-1)
 
 
+def hadamard_butterfly(x: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Hadamard along the last dim (a power of two) as the radix-2 butterfly transform, fp32: pairs
+    ``(a + b, a - b)`` at stride 1, 2, ..., D/2 in that order, then one multiply by fp32(D^-0.5). Unlike a matmul
+    (summed in the BLAS's order) every step is one correctly rounded fp32 operation, so every device and kernel that
+    follows this order gets the same bits (the FP4 recipe's Hadamard; the Triton FP4 prologue computes exactly this)."""
+    d = x.shape[-1]
+    x = x.float()
+    stride = 1
+    while stride < d:
+        pairs = x.reshape(*x.shape[:-1], d // (2 * stride), 2, stride)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((first + second, first - second), dim=-2).reshape(*x.shape[:-1], d)
+        stride *= 2
+    return x * torch.tensor(d ** -0.5, dtype=torch.float32, device=x.device)
+
+
 def rotate_quant_fp4(x: torch.Tensor, block: int = 32, fp8_dtype: torch.dtype = torch.float8_e4m3fn
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hadamard (orthonormal, along the last dim; output rounded to bf16 as DeepSeek's ``rotate_activation``), FP4
-    e2m1 quant per ``block``, folded into fp8: ``(fp8 like x, row scale [...] fp32)``."""
+    """Hadamard (orthonormal, along the last dim, `hadamard_butterfly`; output rounded to bf16 as DeepSeek's
+    ``rotate_activation``), FP4 e2m1 quant per ``block``, folded into fp8: ``(fp8 like x, row scale [...] fp32)``."""
     if x.shape[-1] % block:
         raise ValueError(f"the last dim {x.shape[-1]} must be a multiple of the FP4 block {block}")
-    rotated = (x.float() @ hadamard_matrix(x.shape[-1], x.device)).to(torch.bfloat16)
+    rotated = hadamard_butterfly(x).to(torch.bfloat16)
     return fold_fp4_to_fp8(*quant_fp4_e2m1(rotated, block), fp8_dtype)
 
 

@@ -28,6 +28,7 @@ KERNELS = {
     "quant_fp8_groups": ("quant", "quant_fp8_groups"),
     "rmsnorm_quant_fp8": ("quant", "rmsnorm_quant_fp8"),
     "q_prologue": ("prologue", "q_prologue"),
+    "q_prologue_fp4": ("prologue", "q_prologue_fp4"),  # V4's FP4 q: bit-identical to the butterfly-Hadamard recipe
     "k_prologue_store": ("prologue", "k_prologue_store"),
     "gemm_fp8_blockscale": ("gemm", "gemm_fp8_blockscale"),
     "ragged_mqa_logits": ("logits", "ragged_mqa_logits"),
