@@ -195,8 +195,8 @@ class Compressor(nn.Module):
 
     def _store_fp4(self, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
                    cos_sin: torch.Tensor, fp8_dtype: torch.dtype, target) -> None:
-        """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), RoPE at 4j (the plain prologue op with one
-        "head", bf16 out), Hadamard + e2m1 quant folded into fp8 with one power-of-two scale, stored in the fp8
+        """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), then RoPE at 4j (bf16 out), Hadamard + e2m1 quant
+        folded into fp8 with one power-of-two scale (the `q_prologue_fp4` op with one "head"), stored in the fp8
         pages (slot -1 stores nothing)."""
         from . import fp4
         from .contract.cache import store_rows
@@ -207,9 +207,11 @@ class Compressor(nn.Module):
                                     f"{kv_cache.layout} cache holds plain keys: allocate the fp8 layout, or use "
                                     "key_quant 'fp8' with the plain layouts")
         normed = fp4.normed_key(pooled, self.norm.weight, cfg.norm_eps)
+        # The rest is V4's FP4 q recipe with one head and unit weights (RoPE rounded to bf16, Hadamard, e2m1, fold):
+        # the q_prologue_fp4 op (one Triton launch on GPUs) returns the fp8 keys and, as the weights, their row scales
+        # (1 * 1.0 * row_scale, exact).
         unit = torch.ones(normed.shape[0], 1, dtype=torch.float32, device=normed.device)
-        roped = ops.q_prologue_plain(normed[:, None, :], entry_positions, cos_sin, unit, 1.0,
-                                     rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved, key_format="bf16",
-                                     target=target)[0][:, 0]
-        keys, scales = fp4.rotate_quant_fp4(roped, cfg.fp4_block, fp8_dtype)
-        store_rows(kv_cache, slots, keys, scales)
+        keys, scales = ops.q_prologue_fp4(normed[:, None, :], entry_positions, cos_sin, unit, 1.0,
+                                          rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved,
+                                          block=cfg.fp4_block, fp8_dtype=fp8_dtype, target=target)
+        store_rows(kv_cache, slots, keys[:, 0], scales[:, 0])
