@@ -8,20 +8,22 @@ into the head weights as the fp8 one does. Scores are then fp32 sums of exact pr
 einsum to bf16, which only moves near-ties). Numerics follow DeepSeek's code point by point: RoPE'd q rounded to
 bf16, the Hadamard's output rounded to bf16, then the FP4 quant (see `quant_fp4_e2m1` for the rounding).
 
-The q side is the registry op `ops.q_prologue_fp4` (RoPE, Hadamard, quant, fold in one call; its reference is
-`backends/reference/kernels.py`); the helpers here are the same torch tensor ops (elementwise + one 128 x 128
-matmul), for the compressor's keys and for tests, on any device.
+The Hadamard is the radix-2 butterfly transform in a fixed order (`hadamard_butterfly`), so every device and kernel
+gets the same bits. q and the compressor's keys (after their RMSNorm, `normed_key`) go through the registry op
+`ops.q_prologue_fp4` (RoPE, Hadamard, quant, fold in one call: a Triton kernel on GPUs, bit-identical to its
+reference in `backends/reference/kernels.py`); the helpers here are the reference's torch tensor ops, for tests and
+callers that quantize rows themselves, on any device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backends.reference.kernels import (dequant_fp4_e2m1, fold_fp4_to_fp8, quant_fp4_e2m1, rmsnorm,
-                                         rotate_quant_fp4)
+from .backends.reference.kernels import (dequant_fp4_e2m1, fold_fp4_to_fp8, hadamard_butterfly, quant_fp4_e2m1,
+                                         rmsnorm, rotate_quant_fp4)
 
-__all__ = ["rotate_quant_fp4", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1", "fold_fp4_to_fp8",
-           "normed_key"]
+__all__ = ["rotate_quant_fp4", "hadamard_butterfly", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1",
+           "fold_fp4_to_fp8", "normed_key"]
 
 
 def fp4_values(x: torch.Tensor, block: int = 32) -> torch.Tensor:
