@@ -23,33 +23,61 @@ COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
 RAGGED_COMPOSED_PRIORITY = 2
 
 
-def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
-                               context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                               k: int, return_slots: bool = False, *, target: Target) -> torch.Tensor:
-    """``topk_indices(paged_mqa_logits(...))`` through the public ops (the registry picks each for ``target``, the
-    one the outer call was resolved for)."""
-    logits = ops.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len, target=target)
-    ends = context_lens.reshape(-1)
-    if not return_slots:
-        return ops.topk_indices(logits, k, ends, target=target)
-    return ops.topk_indices(logits, k, ends, block_table=block_table,
-                            row_request=decode_row_requests(q.shape[0], q.shape[1], q.device), target=target)
+class InnerOps:
+    """A composition's inner op calls, each resolved once per (registry state, target, problem facts) and then
+    called directly: the warm path computes the facts (one generated function), makes one dict lookup, and hashes
+    no `Target` or `Problem`. The entry keeps its target alive, so the key's ``id(target)`` stays that object's."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._memo: dict[tuple, tuple] = {}
+
+    def call(self, op: str, target: Target, *args):
+        declared = ops.OPERATORS[op]
+        key = (self.registry.generation, id(target), op, declared.facts(*args))
+        entry = self._memo.get(key)
+        if entry is None:
+            if len(self._memo) >= 256:  # stale generations are never asked for again
+                self._memo.clear()
+            entry = self._memo[key] = (target, self.registry.function(op, target, declared.problem(*args)))
+        return entry[1](*args)
 
 
-def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *, target: Target) -> torch.Tensor:
-    """``topk_indices(ragged_mqa_logits(...))`` through the public ops (the [S, N] logits in memory)."""
-    logits = ops.ragged_mqa_logits(q, k, k_scales, weights, ks, ke, target=target)
-    return ops.topk_indices(logits, topk, ke, ks, target=target)
+def make_lightning_indexer_composed(inner: InnerOps):
+    def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                                   context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                                   k: int, return_slots: bool = False, *, target: Target) -> torch.Tensor:
+        """``topk_indices(paged_mqa_logits(...))``, each resolved for ``target`` (the one the outer call was
+        resolved for); the arguments were checked by the outer op or the Indexer."""
+        logits = inner.call("paged_mqa_logits", target, q, kv_cache, weights, context_lens, block_table,
+                            max_context_len)
+        ends = context_lens.reshape(-1)
+        if not return_slots:
+            return inner.call("topk_indices", target, logits, k, ends, None, None, None)
+        return inner.call("topk_indices", target, logits, k, ends, None, block_table,
+                          decode_row_requests(q.shape[0], q.shape[1], q.device))
+
+    return lightning_indexer_composed
+
+
+def make_ragged_mqa_topk_composed(inner: InnerOps):
+    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *, target: Target) -> torch.Tensor:
+        """``topk_indices(ragged_mqa_logits(...))``, each resolved for ``target`` (the [S, N] logits in memory)."""
+        logits = inner.call("ragged_mqa_logits", target, q, k, k_scales, weights, ks, ke)
+        return inner.call("topk_indices", target, logits, topk, ke, ks, None, None)
+
+    return ragged_mqa_topk_composed
 
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
+    inner = InnerOps(registry)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
                             priority=RAGGED_COMPOSED_PRIORITY,
                             description="ragged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True)(lambda: ragged_mqa_topk_composed)
+                            takes_target=True)(lambda: make_ragged_mqa_topk_composed(inner))
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True)(lambda: lightning_indexer_composed)
+                            takes_target=True)(lambda: make_lightning_indexer_composed(inner))
     register_single_stream(registry)

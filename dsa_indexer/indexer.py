@@ -24,7 +24,8 @@ from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem, token_bucket
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
-from .pipeline import PIPELINE_OP, STEPS, k_path, k_path_plain, q_path, q_path_plain
+from .pipeline import PIPELINE_OP, STEPS, k_path, k_path_plain
+from .plan import LayerWeights, StepPlan
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
 from .contract.validate import IndexerInputError, ranges_checked as check_values, tensor as check_tensor
@@ -100,7 +101,7 @@ class Indexer(nn.Module):
         # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
         self.fuse_x_projections = True
-        self.steps = STEPS  # the shared steps a pipeline strategy orders (pipeline.PipelineSteps)
+        self._plans: dict[tuple, StepPlan] = {}  # `step_plan`: one per problem class, weights and registry state
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
         self._activation_wq_b: tuple[tuple, torch.Tensor] | None = None
         self._fp32_weights_proj: tuple[tuple, torch.Tensor] | None = None
@@ -335,12 +336,11 @@ class Indexer(nn.Module):
             self._target = (device, detect_target(device, self._target_override))
         return self._target[1]
 
-    def gemm_input_layout(self, q_lora: torch.Tensor, weight: torch.Tensor | None = None) -> Fp8GroupLayout:
+    def _gemm_layout(self, weight: torch.Tensor, out_dtype: torch.dtype) -> Fp8GroupLayout:
         """The activation layout this indexer quantizes a GEMM input to, and what a reusable q_lora_quant must match:
         the resolved block-fp8 GEMM's layout (group size, scale order, fp8 flavour) with the recipe's scale format
-        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight (default wq_b's)."""
-        weight = self.wq_b.weight if weight is None else weight
-        problem = ops.gemm_problem(weight, q_lora.dtype)  # the problem the GEMM op will build
+        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight."""
+        problem = ops.gemm_problem(weight, out_dtype)  # the problem the GEMM op will build
         res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
         layout = layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
@@ -365,19 +365,59 @@ class Indexer(nn.Module):
 
         return platform_of(self.target.vendor).reuse_unrounded_quant
 
-    def note_reuse(self, used: bool, reason: str | None) -> None:
-        """Count each q_lora_quant decision; a drop is logged at debug level with its reason."""
-        if used:
-            self.reuse_stats["reused"] += 1
-        else:
-            self.reuse_stats["dropped"] += 1
-            self.reuse_stats[f"dropped: {reason}"] += 1
-            log.debug("q_lora_quant dropped, re-quantizing from bf16: %s", reason)
+    # --- the per-step plan ------------------------------------------------------------------------------
+    def _weights_key(self) -> tuple:
+        """Identity and version of every weight a plan reads: a replaced or rewritten weight makes a new plan."""
+        parts = [self.wq_b.weight, getattr(self.wq_b, "weight_scale_inv", None), self.weights_proj.weight]
+        if self.wk is not None:
+            parts += [self.wk.weight, getattr(self.wk, "weight_scale_inv", None), self.k_norm.weight, self.k_norm.bias]
+        return tuple((p.data_ptr(), _version_of(p)) if p is not None else None for p in parts)
 
-    def pipeline_resolution(self, x: torch.Tensor, decode: bool, has_quant: bool,
-                            cache_layout: str = LAYOUT_PAGED64) -> Resolution:
-        problem = Problem(tokens=token_bucket(x.shape[0]), decode=decode, q_lora_quant=has_quant, cache=cache_layout)
-        return default_registry().choose(PIPELINE_OP, self.target, problem)
+    def step_plan(self, tokens: int, decode: bool, *, has_quant: bool = False, cache_layout: str = LAYOUT_PAGED64,
+                  next_n: int = 1, dtype: torch.dtype | None = None) -> StepPlan:
+        """The plan of a step of ``tokens`` rows (`dsa_indexer.plan`): the pipeline strategy resolved for this
+        problem class, the weights in the forms the step reads, the GEMM layouts, and the ops' implementations
+        (resolved on first use). Built once and kept while the weights, the target, the registry's resolutions and
+        the knobs (``fuse_x_projections``, ``allow_unrounded_q_lora_quant``) stay as they were."""
+        registry = default_registry()
+        target = self.target
+        bucket = 1 << max(0, tokens - 1).bit_length()  # `token_bucket`, inline: the warm path builds no Problem
+        # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
+        key = (id(registry), registry.generation, id(target), bucket, decode, has_quant, cache_layout, next_n,
+               dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key())
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 64:  # stale keys (old weights, old generations) are never asked for again
+                self._plans.clear()
+            problem = Problem(tokens=bucket, decode=decode, q_lora_quant=has_quant, cache=cache_layout)
+            plan = self._plans[key] = self._build_plan(registry, problem, cache_layout, dtype or self.dtype)
+        return plan
+
+    def _build_plan(self, registry, problem: Problem, cache_layout: str, dtype: torch.dtype) -> StepPlan:
+        cfg, target = self.config, self.target
+        strategy = registry.function(PIPELINE_OP, target, problem)
+        resolution = registry.used.get((PIPELINE_OP, target, problem)) or registry.choose(PIPELINE_OP, target, problem)
+        wq_b_fp8, wk_fp8 = self.wq_b_is_block_fp8, self.wk_is_block_fp8
+        weights = LayerWeights(
+            wq_b=self.wq_b.weight, wq_b_scale=self.wq_b.weight_scale_inv if wq_b_fp8 else None,
+            weights_proj=self.fp32_weights_proj() if cfg.weights_proj_dtype == "fp32" else self.weights_proj.weight,
+            x_projection=self.x_projection_weight() if self.x_projections_fusable else None,
+            wk=self.wk.weight if self.wk is not None else None,
+            wk_scale=self.wk.weight_scale_inv if wk_fp8 else None,
+            k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
+            k_norm_bias=self.k_norm.bias if self.k_norm is not None else None,
+            cos_sin=self.cos_sin,
+            wq_b_activation=self.activation_wq_b() if cache_layout != LAYOUT_PAGED64 else None,
+            compressor=self.compressor)
+        return StepPlan(
+            config=cfg, target=target, fp8_dtype=self.fp8_dtype, weights=weights, problem=problem,
+            pipeline=resolution, strategy=strategy, steps=STEPS, registry=registry,
+            fuse_x_projections=self.fuse_x_projections,
+            wq_b_layout=self._gemm_layout(self.wq_b.weight, dtype) if wq_b_fp8 else None,
+            wk_layout=self._gemm_layout(self.wk.weight, dtype) if wk_fp8 else None,
+            reuse_unrounded=self.reuses_unrounded_quant(), reuse_stats=self.reuse_stats,
+            weight_scale=cfg.weight_scale, rope_offset=cfg.rope_offset,
+            scoring_bytes=self.scoring_plan_bytes() if not problem["decode"] else None)
 
     # --- the step -----------------------------------------------------------------------------------------
     def check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
@@ -470,21 +510,23 @@ class Indexer(nn.Module):
                 compressor_state: CompressorState | None = None) -> torch.Tensor:
         self.check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
         decode = isinstance(batch, DecodeBatch)
-        res = self.pipeline_resolution(x, decode, q_lora_quant is not None, cache.layout)
-        self.last_pipeline = res
-        strategy = default_registry().function(PIPELINE_OP, res.target, res.problem)
+        plan = self.step_plan(x.shape[0], decode, has_quant=q_lora_quant is not None, cache_layout=cache.layout,
+                              next_n=batch.next_n if decode else 1, dtype=x.dtype)
+        self.last_pipeline = plan.pipeline
         key_store = (batch.slot_mapping if self.compressor is None
                      else self.compression_step(batch, compressor_state))
-        if cache.is_plain:
-            return self._forward_plain(strategy, x, q_lora, positions, batch, cache, q_lora_quant, key_store, decode)
         if not decode and batch.max_keys_per_row > self.config.topk:
-            plan = batch.plan_chunks(self.logits_budget_bytes, *self.scoring_plan_bytes())
-            if len(plan) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
-                return self._prefill_in_chunks(x, q_lora, positions, batch, cache, q_lora_quant, key_store, plan)
-        q_fp8, weights = strategy(self, x, q_lora, positions, key_store, cache.data, q_lora_quant)
+            chunks = batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
+            if len(chunks) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
+                self._store_all_keys(plan, x, positions, key_store, cache, chunks)
+                return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks)
+        if cache.is_plain:  # one fused `lightning_indexer_ragged` over the batch's rows, decode and prefill alike
+            q, q_scales, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache, q_lora_quant)
+            return self._score_plain(plan, q, q_scales, weights, batch.request_rows(), cache)
+        q_fp8, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         if decode:
-            return self._score_decode(q_fp8, weights, batch, cache)
-        return self._score_prefill(q_fp8, weights, batch, cache)
+            return self._score_decode(plan, q_fp8, weights, batch, cache)
+        return self._score_planned(plan, batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]))
 
     def scoring_plan_bytes(self) -> tuple[int, int]:
         """(bytes per row, bytes per (row, key)) that a prefill chunk holds, for `PrefillBatch.plan_chunks`: the q
@@ -506,65 +548,57 @@ class Indexer(nn.Module):
         hd = cfg.n_heads * cfg.head_dim
         return hd * (2 + 4 + 1) + cfg.n_heads * 4 * 2 + cfg.q_lora_rank * 2
 
-    def _prefill_in_chunks(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant,
-                           key_store, plan) -> torch.Tensor:
-        """Bounded prefill: every key of the batch stored first (a query sees the keys of the tokens before it in
-        the same batch), in token blocks for V3.2; then, per planned chunk of rows, the q path and the scoring, so
-        no intermediate grows with the batch beyond the budget (the int32 [T, topk] output aside)."""
-        self._store_all_keys(x, positions, key_store, cache, plan)
-        return self.score_rows(x, q_lora, positions, batch, cache, q_lora_quant)
-
-    def _store(self, x, positions, key_store, cache: IndexKCache) -> None:
+    def _store(self, plan: StepPlan, x, positions, key_store, cache: IndexKCache) -> None:
         """The k path of ``cache``'s layout: the fp8 pages, or a plain (bf16 / int8) layout."""
         if cache.is_plain:
-            k_path_plain(self, x, positions, key_store, cache)
+            k_path_plain(plan, x, positions, key_store, cache)
         else:
-            k_path(self, x, positions, key_store, cache.data)
+            k_path(plan, x, positions, key_store, cache.data)
 
-    def _store_all_keys(self, x, positions, key_store, cache: IndexKCache, plan) -> None:
-        """Every key of a bounded prefill's batch, before any scoring: in the plan's token blocks for V3.2; in one
-        call for C4 (the compressor's window reads earlier rows of the same step)."""
+    def _store_all_keys(self, plan: StepPlan, x, positions, key_store, cache: IndexKCache, chunks) -> None:
+        """Every key of a bounded prefill's batch, before any scoring (a query sees the keys of the tokens before it
+        in the same batch): in the chunks' token blocks for V3.2; in one call for C4 (the compressor's window reads
+        earlier rows of the same step)."""
         if self.compressor is None:
-            for start, stop, _, _ in plan:
-                self._store(x[start:stop], positions[start:stop], key_store[start:stop], cache)
+            for start, stop, _, _ in chunks:
+                self._store(plan, x[start:stop], positions[start:stop], key_store[start:stop], cache)
         else:
-            self._store(x, positions, key_store, cache)
-
-    def _forward_plain(self, strategy, x, q_lora, positions, batch, cache: IndexKCache, q_lora_quant, key_store,
-                       decode: bool) -> torch.Tensor:
-        """A plain-layout cache (bf16 / int8 keys): the strategy's q and k paths, then one
-        `lightning_indexer_ragged` over the batch's rows (decode, speculative and prefill alike: the fused kernel
-        never materializes logits). A prefill over the budget stores every key first, then runs the q path and the
-        kernel per planned chunk of rows."""
-        if not decode and batch.max_keys_per_row > self.config.topk:
-            plan = batch.plan_chunks(self.logits_budget_bytes, self.q_path_bytes_per_row())
-            if len(plan) > 1:
-                self._store_all_keys(x, positions, key_store, cache, plan)
-                out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
-                for start, stop, _, _ in plan:
-                    quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
-                    q, q_scales, weights = q_path_plain(self, x[start:stop], q_lora[start:stop],
-                                                        positions[start:stop], quant, cache.key_format)
-                    out[start:stop] = self._score_plain(q, q_scales, weights, batch.request_rows(start, stop), cache)
-                return out
-        q, q_scales, weights = strategy(self, x, q_lora, positions, key_store, cache, q_lora_quant)
-        return self._score_plain(q, q_scales, weights, batch.request_rows(), cache)
-
-    def _score_plain(self, q, q_scales, weights, request_rows, cache: IndexKCache) -> torch.Tensor:
-        cu, seq_lens, block_table = request_rows
-        return ops.lightning_indexer_ragged(q, q_scales, cache.data, cache.scales_or_empty(), weights, cu, seq_lens,
-                                            block_table, self.config.topk, compress_ratio=self.config.compress_ratio,
-                                            target=self.target)
+            self._store(plan, x, positions, key_store, cache)
 
     def score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
-                    ) -> torch.Tensor:
+                   ) -> torch.Tensor:
         """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache (a
         public seam: context-parallel prefill scores its own rows with it)."""
+        plan = self.step_plan(batch.num_tokens, False, has_quant=q_lora_quant is not None,
+                              cache_layout=cache.layout, dtype=x.dtype)
+        chunks = batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
+        return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks)
+
+    def _score_rows(self, plan: StepPlan, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache,
+                    q_lora_quant, chunks) -> torch.Tensor:
+        """Bounded scoring: per planned chunk of rows, the q path of the chunk, then its logits and top-k (for a plain
+        layout, the fused indexer over the chunk's rows), so no intermediate grows with the batch beyond the budget
+        (the int32 [T, topk] output aside)."""
         def q_of(start: int, stop: int):
             quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
-            return q_path(self, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
+            if cache.is_plain:
+                return plan.steps.q_path_plain(plan, x[start:stop], q_lora[start:stop], positions[start:stop], quant,
+                                               cache.key_format)
+            return plan.steps.q_path(plan, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
 
-        return self._score_planned(batch, cache, q_of)
+        if cache.is_plain:
+            out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
+            for start, stop, _, _ in chunks:
+                q, q_scales, weights = q_of(start, stop)
+                out[start:stop] = self._score_plain(plan, q, q_scales, weights, batch.request_rows(start, stop), cache)
+            return out
+        return self._score_planned(plan, batch, cache, q_of, chunks)
+
+    def _score_plain(self, plan: StepPlan, q, q_scales, weights, request_rows, cache: IndexKCache) -> torch.Tensor:
+        cu, seq_lens, block_table = request_rows
+        return plan.run("score", "lightning_indexer_ragged", q.contiguous(), q_scales, cache.data,
+                        cache.scales_or_empty(), weights.contiguous(), cu, seq_lens, block_table, self.config.topk,
+                        self.config.compress_ratio)
 
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                    compressor_state: CompressorState | None = None) -> None:
@@ -580,7 +614,8 @@ class Indexer(nn.Module):
         self._check_positions(batch)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self.compression_step(batch, compressor_state))
-        self._store(x, batch.positions, key_store, cache)
+        plan = self.step_plan(batch.num_tokens, False, cache_layout=cache.layout, dtype=x.dtype)
+        self._store(plan, x, batch.positions, key_store, cache)
 
     def _all_visible(self, counts: torch.Tensor) -> torch.Tensor:
         """Rows that see <= topk keys need no logits: the answer is every visible key, then -1."""
@@ -588,38 +623,30 @@ class Indexer(nn.Module):
         idx = torch.arange(k, device=counts.device, dtype=torch.int32)
         return torch.where(idx[None, :] < counts[:, None], idx[None, :], torch.full_like(idx, -1)[None, :])
 
-    def _score_decode(self, q_fp8, weights, batch: DecodeBatch, cache: IndexKCache) -> torch.Tensor:
+    def _score_decode(self, plan: StepPlan, q_fp8, weights, batch: DecodeBatch, cache: IndexKCache) -> torch.Tensor:
         k = self.config.topk
         if batch.max_context_len <= k:
             return self._all_visible(batch.context_lens.reshape(-1))
-        b, n = batch.batch_size, batch.next_n
-        q = q_fp8.view(b, n, self.config.n_heads, self.config.head_dim)
-        return ops.lightning_indexer(q, cache.data, weights, batch.context_lens, batch.block_table,
-                                     batch.max_context_len, k, target=self.target)
+        q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
+        return plan.run("score", "lightning_indexer", q, cache.data, weights, batch.context_lens, batch.block_table,
+                        batch.max_context_len, k, False)
 
-    def _score_prefill(self, q_fp8, weights, batch: PrefillBatch, cache: IndexKCache) -> torch.Tensor:
-        return self._score_planned(batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]))
-
-    def _score_planned(self, batch: PrefillBatch, cache: IndexKCache, q_of) -> torch.Tensor:
+    def _score_planned(self, plan: StepPlan, batch: PrefillBatch, cache: IndexKCache, q_of, chunks=None
+                       ) -> torch.Tensor:
         """Prefill scoring over the batch's planned chunks; ``q_of(start, stop)`` gives the chunk's (q_fp8, weights),
-        already computed (one-pass prefill) or computed per chunk (bounded and context-parallel prefill)."""
+        already computed (one-pass prefill) or computed per chunk (bounded and context-parallel prefill). Each
+        chunk runs `ragged_mqa_topk` over the gathered keys (a fused kernel where one serves, else the two ops)."""
         k = self.config.topk
         if batch.max_keys_per_row <= k:
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
-        for start, stop, lo, hi in batch.plan_chunks(self.logits_budget_bytes, *self.scoring_plan_bytes()):
+        for start, stop, lo, hi in chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes):
             q_fp8, weights = q_of(start, stop)
-            self._score_chunk(q_fp8, weights, keys, key_scales, batch, start, stop, lo, hi, out)
+            ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
+            out[start:stop] = plan.run("score", "ragged_mqa_topk", q_fp8, keys[lo:hi], key_scales[lo:hi], weights,
+                                       ks, ke, k)
         return out
-
-    def _score_chunk(self, q_fp8, weights, keys, key_scales, batch: PrefillBatch, start: int, stop: int, lo: int,
-                     hi: int, out: torch.Tensor) -> None:
-        """Ragged logits + top-k of rows [start, stop) over gathered keys [lo, hi) into ``out`` (`ragged_mqa_topk`:
-        a fused kernel where one serves, else the two ops)."""
-        ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
-        out[start:stop] = ops.ragged_mqa_topk(q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, self.config.topk,
-                                              target=self.target)
 
     # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------
     def capture_decode(self, cache: IndexKCache, batch_size: int, max_context_len: int, next_n: int = 1,

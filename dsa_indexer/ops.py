@@ -112,8 +112,9 @@ class DeclaredOp:
             out = compiled(*arguments, target=explicit) if _compiling() else run(*arguments, target=explicit)
             return out if finish is None else finish(out, arguments, explicit)
 
-        public.decl, public.run, public.problem, public.custom_op = decl, run, problem_of, self.custom_op
-        self.run, self.problem, self.public = run, problem_of, public
+        public.decl, public.run, public.problem, public.facts = decl, run, problem_of, facts
+        public.custom_op = self.custom_op
+        self.run, self.problem, self.facts, self.public = run, problem_of, facts, public
 
 
 OPERATORS: dict[str, DeclaredOp] = {}

@@ -55,8 +55,6 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
                              batch: PrefillBatch, cache: IndexKCache, *, group=None, gather_output: bool = True,
                              q_lora_quant=None):
     """See the module docstring. Returns ``[T, topk]`` int32 (``gather_output``) or ``(rows, topk_of_rows)``."""
-    from .pipeline import k_path
-
     if isinstance(cache, IndexKCache) and cache.is_plain:
         raise IndexerInputError(f"context-parallel prefill exchanges the fp8 132-byte key rows; a {cache.layout} cache "
                                 "(the NPU's plain layout) is not supported: run the prefill on one device")
@@ -73,7 +71,8 @@ def context_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, pos
     rows = zigzag_rows(batch.num_tokens, rank, world).to(x.device)
     # 2. this rank's keys, then everyone's: the key rows travel as the cache's own bytes (fp8 values + fp32 scale).
     slots = batch.slot_mapping[rows]
-    k_path(indexer, x[rows], positions[rows], slots, cache.data)
+    plan = indexer.step_plan(rows.numel(), decode=False, dtype=x.dtype)
+    plan.steps.k_path(plan, x[rows], positions[rows], slots, cache.data)
     keys, scales = gather_rows(cache.data, slots, cache.fp8_dtype)
     payload = torch.cat([keys.view(torch.uint8), scales.view(torch.uint8).view(-1, 4)], dim=1)
     all_slots = _all_gather_rows(slots, group)

@@ -46,10 +46,9 @@ def real_decode_logits(batch: int, context: int, device, seed: int = 0, indexer:
     indexer's own k path, queries from its q path, paged logits through the registry (DeepGEMM or Triton on a
     GPU). Random activations and seeded random weights, never zeros. Returns ``(logits [B, context] fp32,
     context_lens [B, 1] int32, block_table, q_fp8, weights, cache)``."""
-    from .pipeline import k_path, q_path
-
     cfg = IndexerConfig.deepseek_v32()
     indexer = indexer or Indexer(cfg, device=device).init_random(seed)
+    plan = indexer.step_plan(4096, decode=False)  # the indexer's own steps, as a prefill runs them
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     pages = -(-context // PAGE_SIZE)
     cache = IndexKCache.allocate(batch * pages, device, indexer.fp8_dtype)
@@ -61,11 +60,11 @@ def real_decode_logits(batch: int, context: int, device, seed: int = 0, indexer:
             x = (torch.randn(n, cfg.hidden_size, generator=gen) * x_scale).to(device, torch.bfloat16)
             pos = torch.arange(start, start + n, device=device)
             slots = table[b].long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-            k_path(indexer, x, pos, slots, cache.data)
+            plan.steps.k_path(plan, x, pos, slots, cache.data)
     x = (torch.randn(batch, cfg.hidden_size, generator=gen) * x_scale).to(device, torch.bfloat16)
     q_lora = torch.randn(batch, cfg.q_lora_rank, generator=gen).to(device, torch.bfloat16)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
-    q_fp8, weights = q_path(indexer, x, q_lora, positions, None)
+    q_fp8, weights = plan.steps.q_path(plan, x, q_lora, positions, None)
     lens = torch.full((batch, 1), context, dtype=torch.int32, device=device)
     q = q_fp8.view(batch, 1, cfg.n_heads, cfg.head_dim)
     logits = ops.paged_mqa_logits(q, cache.data, weights, lens, table, context)

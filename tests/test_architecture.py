@@ -92,14 +92,19 @@ def test_the_finder_sees_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
-# The one circle left (issue 22): pipeline.py names Indexer for its annotations (a TYPE_CHECKING import) because the
-# strategies receive the module itself; the per-step plan removes it. A ratchet: a new circle fails, and so does
-# removing this one without deleting it here.
-KNOWN_CIRCLES = [["dsa_indexer.indexer", "dsa_indexer.pipeline"]]
+def test_no_import_circles():
+    """The last circle (indexer <-> pipeline) went with the per-step plan: strategies receive a `StepPlan`."""
+    assert _circles(_imports(_modules())) == []
 
 
-def test_no_import_circles_beyond_the_known_one():
-    assert _circles(_imports(_modules())) == KNOWN_CIRCLES
+def test_the_pipeline_and_the_backends_never_see_the_module():
+    """Strategies and steps take the plan: pipeline.py and the backends import neither `indexer` nor name `Indexer`."""
+    edges = _imports(_modules())
+    offenders = sorted(m for m, targets in edges.items()
+                       if (m == "dsa_indexer.pipeline" or m.startswith("dsa_indexer.backends"))
+                       and "dsa_indexer.indexer" in targets)
+    assert offenders == []
+    assert "Indexer" not in (PACKAGE / "pipeline.py").read_text()
 
 
 def test_dispatch_imports_no_backend():

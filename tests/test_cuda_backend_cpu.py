@@ -192,8 +192,9 @@ def test_dual_stream_on_host_tensors_is_the_single_stream_order():
     positions = torch.arange(t) + 40
     slots = torch.arange(t) + 40
     caches = [IndexKCache.allocate(2).data for _ in range(2)]
-    got = dual_stream.make_dual_stream()(indexer, x, q_lora, positions, slots, caches[0], None)
-    want = single_stream(indexer, x, q_lora, positions, slots, caches[1], None)
+    plan = indexer.step_plan(t, decode=True)
+    got = dual_stream.make_dual_stream()(plan, x, q_lora, positions, slots, caches[0], None)
+    want = single_stream(plan, x, q_lora, positions, slots, caches[1], None)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     assert torch.equal(caches[0], caches[1])
 

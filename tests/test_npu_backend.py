@@ -185,7 +185,8 @@ def test_v32_prefill_decode_and_speculative_through_the_npu_path(npu):
     for (got, batch, x, q_lora), (want, *_) in zip(npu_outs, ref_outs):
         assert got.shape == (batch.num_tokens, V32_SMALL.topk) and got.dtype == torch.int32
         with forced(REFERENCE_IMPLS):
-            q, q_scales, weights = idx.steps.q_path_plain(idx, x, q_lora, batch.positions, None, "bf16")
+            plan = idx.step_plan(batch.num_tokens, False, cache_layout=cache.layout)
+            q, q_scales, weights = plan.steps.q_path_plain(plan, x, q_lora, batch.positions, None, "bf16")
         cu, seq, table = batch.request_rows()
         request_of = torch.repeat_interleave(torch.arange(len(seq)), (cu[1:] - cu[:-1]).long())
 

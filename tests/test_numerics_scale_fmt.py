@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsa_indexer import DecodeBatch, IndexerConfig, IndexKCache, Indexer, ops
+from dsa_indexer.plan import StepPlan
 from dsa_indexer.contract.cache import page_views
 
 TINY = IndexerConfig(name="v32-tiny", hidden_size=256, q_lora_rank=384, n_heads=4, topk=16, max_position=2048,
@@ -43,8 +44,14 @@ def test_scale_fmt_is_validated_by_name():
 def test_the_gemm_input_is_quantized_in_the_recipe_format(scale_fmt, monkeypatch):
     indexer, cache, batch, x, q_a, norm_w = _setup(scale_fmt, seed=int(torch.randint(0, 10_000, ())))
     seen = []
-    real = ops.quant_fp8_groups
-    monkeypatch.setattr(ops, "quant_fp8_groups", lambda *a, **k: seen.append(k.get("ue8m0")) or real(*a, **k))
+    real = StepPlan.run  # every op of a step runs through its plan: (x, group_size, ue8m0, fp8_dtype) here
+
+    def recording(plan, role, op, *args):
+        if op == "quant_fp8_groups":
+            seen.append(args[2])
+        return real(plan, role, op, *args)
+
+    monkeypatch.setattr(StepPlan, "run", recording)
     q_lora = ops.rmsnorm_quant_fp8(q_a, norm_w)[0]
     _run(indexer, cache, batch, x, q_lora, None)
     assert seen == [scale_fmt == "ue8m0"]  # one GEMM-input quant (q_lora for wq_b), in the recipe's format

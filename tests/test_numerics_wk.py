@@ -36,7 +36,7 @@ def test_fp8_wk_is_an_fp8_gemm_with_x_quantized_in_the_recipe_format(scale_fmt):
     indexer = Indexer(dataclasses.replace(TINY, wk_gemm="fp8", scale_fmt=scale_fmt)).init_random(seed)
     assert isinstance(indexer.wk, BlockFp8Linear) and not indexer.x_projections_fusable
     x = _x(40, seed)
-    got = project_k(indexer, x)
+    got = project_k(indexer.step_plan(1, decode=False), x)
     expect = (_x_quant_float64(x, scale_fmt == "ue8m0") @ indexer.wk.dequantize().double().T)
     assert got.dtype == torch.bfloat16 and got.shape == (40, 128) and torch.isfinite(got).all()
     # fp32 accumulation vs float64, then one bf16 rounding: within 1 bf16 ulp (2^-8 relative) plus a tiny floor.
@@ -46,7 +46,7 @@ def test_fp8_wk_is_an_fp8_gemm_with_x_quantized_in_the_recipe_format(scale_fmt):
     bf16_path = (x.double() @ indexer.wk.dequantize().to(torch.bfloat16).double().T)
     assert (got.double() - other).abs().max() > 1e-2 and (got.double() - bf16_path).abs().max() > 1e-2
     # project_x gives the same k (two GEMMs, not the fused one).
-    assert torch.equal(project_x(indexer, x)[1], got)
+    assert torch.equal(project_x(indexer.step_plan(1, decode=False), x)[1], got)
 
 
 def test_the_bf16_wk_path_stays_the_fused_default():
@@ -94,7 +94,7 @@ def test_weights_proj_runs_in_the_recipe_precision(dtype):
     seed = int(torch.randint(0, 10_000, ()))
     indexer = Indexer(dataclasses.replace(TINY, weights_proj_dtype=dtype)).init_random(seed)
     x = _x(24, seed)
-    got = project_head_weights(indexer, x)
+    got = project_head_weights(indexer.step_plan(1, decode=False), x)
     exact = x.double() @ indexer.weights_proj.weight.double().T
     if dtype == "fp32":
         assert got.dtype == torch.float32
@@ -104,7 +104,7 @@ def test_weights_proj_runs_in_the_recipe_precision(dtype):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), exact, rtol=2 ** -8, atol=1e-3)
         assert (got.double() - exact).abs().max() > 1e-6  # bf16 rounding is visible: the two recipes differ
-    assert torch.equal(project_x(indexer, x)[0], got)
+    assert torch.equal(project_x(indexer.step_plan(1, decode=False), x)[0], got)
 
 
 def test_v32_preset_runs_weights_proj_in_fp32():

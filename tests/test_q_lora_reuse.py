@@ -9,6 +9,7 @@ import torch
 from dsa_indexer import (CompressorState, DecodeBatch, Fp8GroupLayout, IndexerConfig, IndexKCache, Indexer, PrefillBatch,
                          QuantizedActivation, ops)
 from dsa_indexer.contract.quant import PRODUCER_ROUNDED
+from dsa_indexer.plan import StepPlan
 
 V32_TINY = IndexerConfig(name="v32-tiny", hidden_size=256, q_lora_rank=384, n_heads=4, topk=16, max_position=2048,
                          yarn=None)
@@ -119,13 +120,19 @@ def test_reuse_removes_exactly_one_quant_call(monkeypatch):
     batch = _decode_batch(V32_TINY, table)
     x, q_lora, quant = _inputs(V32_TINY, batch.num_tokens)
     calls = []
-    real = ops.quant_fp8_groups
-    monkeypatch.setattr(ops, "quant_fp8_groups", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = StepPlan.run  # every op a step runs goes through its plan
+
+    def counting(plan, role, op, *args):
+        if op == "quant_fp8_groups":
+            calls.append(role)
+        return real(plan, role, op, *args)
+
+    monkeypatch.setattr(StepPlan, "run", counting)
     _run(indexer, cache, batch, x, q_lora, None)
     without = len(calls)
     calls.clear()
     _run(indexer, cache, batch, x, q_lora, quant)
-    assert without - len(calls) == 1
+    assert without - len(calls) == 1 and "q_lora_quant" not in calls
 
 
 def test_layout_tag_defaults_describe_the_library_producer():

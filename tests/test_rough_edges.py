@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsa_indexer import DecodeBatch, IndexerConfig, IndexerInputError, IndexKCache, Indexer
+from dsa_indexer.plan import StepPlan
 
 CFG = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=8, max_position=2048)
 
@@ -94,7 +95,7 @@ def test_prefill_in_chunks_bounds_every_intermediate_and_matches_one_pass(v4, mo
     plus q-path bytes exceed the budget."""
     import dataclasses
 
-    from dsa_indexer import CompressorState, PrefillBatch, ops as ops_module
+    from dsa_indexer import CompressorState, PrefillBatch
 
     base = IndexerConfig.deepseek_v4_flash() if v4 else IndexerConfig.deepseek_v32()
     cfg = dataclasses.replace(base, name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=8,
@@ -105,13 +106,14 @@ def test_prefill_in_chunks_bounds_every_intermediate_and_matches_one_pass(v4, mo
     q_lora = torch.randn(sum(lengths), 256, generator=gen).to(torch.bfloat16)
     table = torch.arange(24, dtype=torch.int32).view(2, 12)
     outs, widths = [], []
-    real = ops_module.ragged_mqa_logits
+    real = StepPlan.run  # each chunk's scoring runs through the step's plan: ragged_mqa_topk(q, k, ...)
 
-    def recording(q, k, *args, **kwargs):
-        widths.append((q.shape[0], k.shape[0]))
-        return real(q, k, *args, **kwargs)
+    def recording(plan, role, op, *args):
+        if op == "ragged_mqa_topk":
+            widths.append((args[0].shape[0], args[1].shape[0]))
+        return real(plan, role, op, *args)
 
-    monkeypatch.setattr(ops_module, "ragged_mqa_logits", recording)
+    monkeypatch.setattr(StepPlan, "run", recording)
     for budget in (512 << 20, 256 << 10):
         indexer = Indexer(cfg, logits_budget_bytes=budget).init_random(3)
         state = CompressorState.allocate(2, cfg) if v4 else None

@@ -64,19 +64,20 @@ def test_the_reference_line_is_a_check_when_another_implementation_ran():
 
 @pytest.fixture
 def first_call_compiles(monkeypatch):
-    """The first k_prologue_store call anywhere sleeps, as a first-use JIT compile would (the fill, every decode
-    step and the prefill store keys through it)."""
-    from dsa_indexer import ops
+    """The first k_prologue_store a step runs sleeps, as a first-use JIT compile would (the fill, every decode
+    step and the prefill store keys through it; every op of a step runs through its plan)."""
+    from dsa_indexer.plan import StepPlan
 
-    original, calls = ops.k_prologue_store, []
+    original, calls = StepPlan.run, []
 
-    def slow_first(*args, **kwargs):
-        if not calls:
-            time.sleep(COMPILE_S)
-        calls.append(1)
-        return original(*args, **kwargs)
+    def slow_first(plan, role, op, *args):
+        if op == "k_prologue_store":
+            if not calls:
+                time.sleep(COMPILE_S)
+            calls.append(1)
+        return original(plan, role, op, *args)
 
-    monkeypatch.setattr(ops, "k_prologue_store", slow_first)
+    monkeypatch.setattr(StepPlan, "run", slow_first)
     return calls
 
 

@@ -19,13 +19,22 @@ import torch
 PIPELINE_OP = "indexer_pipeline"  # the pipeline strategy is resolved like an op (problem: tokens, decode, q_lora_quant)
 
 
+class _Fp8Names(dict):
+    def __missing__(self, dtype: torch.dtype) -> str:
+        return "fn"
+
+
+FP8_NAMES = _Fp8Names({torch.float8_e4m3fnuz: "fnuz", torch.float8_e4m3fn: "fn"})
+
+
 def fp8_name(dtype: torch.dtype) -> str:
     """The problem fact naming an fp8 flavour: "fnuz" (gfx942's e4m3fnuz) or "fn" (e4m3fn everywhere else)."""
-    return "fnuz" if dtype == torch.float8_e4m3fnuz else "fn"
+    return FP8_NAMES[dtype]
 
 
-# Names a fact expression may use besides the op's arguments.
-FACT_HELPERS: dict[str, Any] = {"fp8_name": fp8_name, "torch": torch}
+# Names a fact expression may use besides the op's arguments. In a fact, ``fp8_name`` is the table's own lookup
+# (a C call: building a problem runs no Python function but the generated one).
+FACT_HELPERS: dict[str, Any] = {"fp8_name": FP8_NAMES.__getitem__, "torch": torch}
 
 _ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?:\((?P<alias>[a-z!]+)\))?\s+(?P<name>\w+)\s*(?:=.*)?$")
 

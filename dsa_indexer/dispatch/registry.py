@@ -178,6 +178,9 @@ class Registry:
         self.plugins_loaded: list[str] = []
         self.used: dict[tuple, Resolution] = {}  # every (op, target, problem) resolved for a call so far
         self.plugins_failed: list[str] = []
+        # Bumped whenever cached functions are dropped: a holder of resolved functions (the Indexer's step plans)
+        # compares it to know its functions are still what resolution would choose.
+        self.generation = 0
 
     # --- registration -------------------------------------------------------------------------
     def register(self, impl: Implementation) -> Implementation:
@@ -287,6 +290,7 @@ class Registry:
     def _invalidate(self) -> None:
         self._fn_cache = {}
         self._resolution_cache = {}
+        self.generation += 1
 
     def start_recording_usage(self) -> None:
         """Forget which implementations calls used so far (``used``) and the cached functions, so that from now on
@@ -294,6 +298,7 @@ class Registry:
         with self._lock:
             self.used = {}
             self._fn_cache = {}
+            self.generation += 1
 
     def clear_cache(self) -> None:
         """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment."""

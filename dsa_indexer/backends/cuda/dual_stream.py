@@ -4,7 +4,7 @@ For small token counts (decode, speculative verify) the kernels of one step are 
 the q path (weights_proj, wq_b, q prologue) and the k path (wk, k prologue + cache store) do not depend on each
 other until the logits. Schedule (indexer spec, section 5), issued in this order:
 
-    main: pipeline.project_x(...)    # [weights_proj; wk] as one GEMM (Indexer.fuse_x_projections, the default)
+    main: pipeline.project_x(...)    # [weights_proj; wk] as one GEMM (StepPlan.fuse_x_projections, the default)
     alt.wait_stream(main)            # alt sees x, k, positions, the key store and the cache as main left them
     main: pipeline.q_path(...)       # wq_b GEMM, RoPE + Hadamard + fp8 quant of q
     alt:  pipeline.k_path(...)       # k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
@@ -144,21 +144,21 @@ def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
 
 
 def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager] | None = None) -> Callable:
-    def dual_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
+    def dual_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
         """q path on the current stream, k path on the device's alt stream, joined before returning."""
-        steps = indexer.steps  # the model's shared steps (pipeline.PipelineSteps), not imported by this backend
+        steps = plan.steps  # the model's shared steps (pipeline.PipelineSteps), not imported by this backend
         if x.device.type != "cuda":  # a simulated cuda target on host tensors: nothing to overlap
-            return steps.single_stream(indexer, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
+            return steps.single_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
         alt = alt_stream(x.device)
         head_weights = k = None
-        if indexer.fuse_x_projections:
-            head_weights, k = steps.project_x(indexer, x)  # one GEMM on main; the k path starts from its output
+        if plan.fuse_x_projections:
+            head_weights, k = steps.project_x(plan, x)  # one GEMM on main; the k path starts from its output
         alt.wait_stream(main)
         with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
-            q_fp8, weights = steps.q_path(indexer, x, q_lora, positions, q_lora_quant, head_weights)
+            q_fp8, weights = steps.q_path(plan, x, q_lora, positions, q_lora_quant, head_weights)
         with torch.cuda.stream(alt):
-            steps.k_path(indexer, x, positions, key_store, kv_cache, k)
+            steps.k_path(plan, x, positions, key_store, kv_cache, k)
         main.wait_stream(alt)
         return q_fp8, weights
 

@@ -22,21 +22,21 @@ def _alt_stream(device: torch.device):
 
 
 def make_two_stream() -> Callable:
-    def npu_two_stream(indexer, x, q_lora, positions, key_store, cache, q_lora_quant):
+    def npu_two_stream(plan, x, q_lora, positions, key_store, cache, q_lora_quant):
         """k path on a side NPU stream, q path on the current one; returns (q, q_scales, weights)."""
-        steps = indexer.steps  # the shared steps (pipeline.PipelineSteps): this backend never imports the model
+        steps = plan.steps  # the shared steps (pipeline.PipelineSteps): this backend never imports the model
         if x.device.type != "npu":  # a simulated npu target on host tensors: nothing to overlap
-            return steps.plain_single_stream(indexer, x, q_lora, positions, key_store, cache, q_lora_quant)
+            return steps.plain_single_stream(plan, x, q_lora, positions, key_store, cache, q_lora_quant)
         npu = torch.npu  # type: ignore[attr-defined]
         main = npu.current_stream(x.device)
         alt = _alt_stream(x.device)
         head_weights = k = None
-        if indexer.fuse_x_projections:
-            head_weights, k = steps.project_x(indexer, x)
+        if plan.fuse_x_projections:
+            head_weights, k = steps.project_x(plan, x)
         alt.wait_stream(main)
         with npu.stream(alt):
-            steps.k_path_plain(indexer, x, positions, key_store, cache, k)
-        result = steps.q_path_plain(indexer, x, q_lora, positions, q_lora_quant, cache.key_format, head_weights)
+            steps.k_path_plain(plan, x, positions, key_store, cache, k)
+        result = steps.q_path_plain(plan, x, q_lora, positions, q_lora_quant, cache.key_format, head_weights)
         main.wait_stream(alt)  # the scoring reads the keys just stored
         return result
 
