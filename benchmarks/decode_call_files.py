@@ -22,15 +22,15 @@ from dsa_indexer import DecodeBatch, Indexer, IndexerConfig
 PACKAGE = Path(dsa_indexer.__file__).parent
 
 
-def trace_decode(target: str | None) -> dict:
+def trace_decode(target: str | None, device: str = "cpu") -> dict:
     cfg = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=1024)
-    indexer = Indexer(cfg, target=target).init_random(0)
+    indexer = Indexer(cfg, target=target, device=device).init_random(0)
     cache = indexer.allocate_cache(8)
-    batch = DecodeBatch.build([40, 70], [[0, 1], [2, 3]], num_cache_pages=cache.num_pages)
+    batch = DecodeBatch.build([40, 70], [[0, 1], [2, 3]], num_cache_pages=cache.num_pages, device=device)
     t = batch.num_tokens
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(t, cfg.hidden_size, generator=gen).to(torch.bfloat16)
-    q_lora = torch.randn(t, cfg.q_lora_rank, generator=gen).to(torch.bfloat16)
+    x = torch.randn(t, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
+    q_lora = torch.randn(t, cfg.q_lora_rank, generator=gen).to(device, torch.bfloat16)
     indexer(x, q_lora, batch.positions, batch, cache)  # warm: resolutions, caches, factories
     files: collections.Counter[str] = collections.Counter()
     registry_calls: collections.Counter[str] = collections.Counter()
@@ -51,16 +51,18 @@ def trace_decode(target: str | None) -> dict:
         indexer(x, q_lora, batch.positions, batch, cache)
     finally:
         sys.setprofile(None)
-    return {"target": target or "cpu", "files": len(files), "file_list": sorted(files),
+    return {"target": target or str(indexer.target), "device": device, "files": len(files), "file_list": sorted(files),
             "registry_calls": dict(registry_calls)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", action="append", help="simulated target(s), default: the CPU and sm90")
+    parser.add_argument("--device", default="cpu", help="where the tensors live (cuda: the real GPU path)")
     parser.add_argument("--out", help="folder to write decode_call_files.json into")
     args = parser.parse_args()
-    rows = [trace_decode(None if t == "cpu" else t) for t in (args.target or ["cpu", "sm90"])]
+    targets = args.target or (["cpu", "sm90"] if args.device == "cpu" else ["detected"])
+    rows = [trace_decode(None if t in ("cpu", "detected") else t, args.device) for t in targets]
     for row in rows:
         print(f"{row['target']:>6}: {row['files']} files, registry {row['registry_calls']}")
     if args.out:

@@ -543,10 +543,12 @@ class Indexer(nn.Module):
 
     def q_path_bytes_per_row(self) -> int:
         """Peak bytes the q path holds per token: wq_b's bf16 output, fp32 prologue temporaries, the fp8 q, the head
-        weights, a quantized q_lora (about 57 KiB at V3.2 size); counted against the prefill budget with the logits."""
+        weights, a quantized q_lora, x in fp32 when weights_proj runs in fp32 (V3.2's recipe), and the row's int32
+        top-k result (about 86 KiB at V3.2 size); counted against the prefill budget with the logits."""
         cfg = self.config
         hd = cfg.n_heads * cfg.head_dim
-        return hd * (2 + 4 + 1) + cfg.n_heads * 4 * 2 + cfg.q_lora_rank * 2
+        fp32_x = cfg.hidden_size * 4 if cfg.weights_proj_dtype == "fp32" else 0
+        return hd * (2 + 4 + 1) + cfg.n_heads * 4 * 2 + cfg.q_lora_rank * 2 + fp32_x + cfg.topk * 4
 
     def _store(self, plan: StepPlan, x, positions, key_store, cache: IndexKCache) -> None:
         """The k path of ``cache``'s layout: the fp8 pages, or a plain (bf16 / int8) layout."""
