@@ -2,7 +2,7 @@
 
     python benchmarks/decode_call_files.py [--target sm90] [--out benchmarks/results]
 
-A tiny V3.2 indexer on the CPU (optionally resolving for a simulated target), one decode step to warm every cache,
+A tiny V3.2 indexer on the CPU (optionally resolving for a simulated target; the full V3.2 shape on a GPU), one decode step to warm every cache,
 then a second step traced with `sys.setprofile`: the distinct `dsa_indexer` files whose functions it entered, the
 calls into `Registry.resolve` / `Registry.choose` (each a full resolution), and into `Registry.call` /
 `Registry.function` (cached lookups). The issue-22 goal: at most half the files of before, nothing resolved twice.
@@ -23,7 +23,9 @@ PACKAGE = Path(dsa_indexer.__file__).parent
 
 
 def trace_decode(target: str | None, device: str = "cpu") -> dict:
-    cfg = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=1024)
+    # On a GPU the real V3.2 shape (64 heads: what the vendor kernels serve); on the CPU a tiny one.
+    cfg = (IndexerConfig.deepseek_v32() if device != "cpu" else
+           IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=1024))
     indexer = Indexer(cfg, target=target, device=device).init_random(0)
     cache = indexer.allocate_cache(8)
     batch = DecodeBatch.build([40, 70], [[0, 1], [2, 3]], num_cache_pages=cache.num_pages, device=device)

@@ -109,8 +109,9 @@ def test_dual_stream_strategy_outputs_bitwise(indexer):
     x, q_lora, seq, table = _step_inputs(indexer, 32, 2, seed=3)
     batch = DecodeBatch.build(seq, table, next_n=2, max_context_len=MAX_CTX, device="cuda")
     caches = [torch.zeros(32 * PAGES_PER_REQ, PAGE_SIZE, 1, 132, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    got = dual_stream.make_dual_stream()(indexer, x, q_lora, batch.positions, batch.slot_mapping, caches[0], None)
-    want = single_stream(indexer, x, q_lora, batch.positions, batch.slot_mapping, caches[1], None)
+    plan = indexer.step_plan(batch.num_tokens, True, next_n=2)
+    got = dual_stream.make_dual_stream()(plan, x, q_lora, batch.positions, batch.slot_mapping, caches[0], None)
+    want = single_stream(plan, x, q_lora, batch.positions, batch.slot_mapping, caches[1], None)
     torch.cuda.synchronize()
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1])
@@ -273,9 +274,10 @@ def test_dual_stream_with_deepgemm_on_half_the_sms_is_bit_identical(indexer, dee
     batch = DecodeBatch.build(seq, table, next_n=1, max_context_len=MAX_CTX, device="cuda")
     caches = [torch.zeros(32 * PAGES_PER_REQ, PAGE_SIZE, 1, 132, dtype=torch.uint8, device="cuda") for _ in range(2)]
     sms = deep_gemm_api[0].get_num_sms()
-    got = limited(indexer, x, q_lora, batch.positions, batch.slot_mapping, caches[0], None)
+    plan = indexer.step_plan(batch.num_tokens, True)
+    got = limited(plan, x, q_lora, batch.positions, batch.slot_mapping, caches[0], None)
     assert deep_gemm_api[0].get_num_sms() == sms  # restored
-    want = single_stream(indexer, x, q_lora, batch.positions, batch.slot_mapping, caches[1], None)
+    want = single_stream(plan, x, q_lora, batch.positions, batch.slot_mapping, caches[1], None)
     torch.cuda.synchronize()
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1]) and torch.equal(caches[0], caches[1])

@@ -105,7 +105,7 @@ def test_decode_and_prefill_match_the_reference(setup):
     _force_reference(True)
     try:
         from dsa_indexer.pipeline import q_path
-        q_ref, w_ref = q_path(indexer, x, q_lora, pb.positions, None)
+        q_ref, w_ref = q_path(indexer.step_plan(pb.num_tokens, False), x, q_lora, pb.positions, None)
         keys, scales = ref_cache.gather(pb.gather_slots)
         args = (q_ref[long_rows], keys, scales)
         logits = ref.ragged_mqa_logits(*args, w_ref[long_rows], pb.ks[long_rows], pb.ke[long_rows])
@@ -123,7 +123,7 @@ def test_decode_and_prefill_match_the_reference(setup):
     _force_reference(True)
     try:
         decode_ref = indexer(xd, qd, db.positions, db, ref_cache)
-        q_ref, w_ref = q_path(indexer, xd, qd, db.positions, None)
+        q_ref, w_ref = q_path(indexer.step_plan(db.num_tokens, True), xd, qd, db.positions, None)
         logits = _reference_logits_decode(indexer, ref_cache, q_ref, w_ref, db)
         magnitude = _reference_logits_decode(indexer, ref_cache, q_ref, w_ref.abs(), db)
     finally:

@@ -240,16 +240,10 @@ def test_bounded_prefill_equals_one_pass(scorer):
     assert _agreeing_keys(got, want) >= 0.999 * int((want >= 0).sum())
 
 
-# The composition's chunks overshoot the budget: on the H200 (prefill_scoring_h200.json) 271.5 MiB against the
-# 258.1 MiB bound here, 4.63 GiB against 3.02 GiB at 128K tokens and the default 2 GiB. The plan counts the fp32
-# logits and `Indexer.q_path_bytes_per_row` (57 KiB per row), not each chunk's own [rows, topk] result before it is
-# copied into the output (8 KiB per row) nor what the q path holds beyond its declared bytes; both are the
-# Indexer's (indexer.py), so the miss is recorded here until they are counted (strict: a pass flags the fix).
-_COMPOSED_OVER_BUDGET = pytest.mark.xfail(strict=True, reason="issue 27: composed prefill chunks exceed the budget "
-                                          "by each chunk's top-k result and q-path bytes the plan does not count")
-
-
-@pytest.mark.parametrize("scorer", [pytest.param("composed", marks=_COMPOSED_OVER_BUDGET), "fused"])
+# The composition's chunks once overshot the budget (271.5 MiB against the 258.1 MiB bound here; 4.63 GiB against
+# 3.02 GiB at 128K tokens): the plan did not count each chunk's [rows, topk] result nor x in fp32 for V3.2's fp32
+# weights_proj. `Indexer.q_path_bytes_per_row` counts both now; on the H200 this then passed (it was a strict xfail).
+@pytest.mark.parametrize("scorer", ["composed", "fused"])
 def test_bounded_prefill_peak_memory_within_budget_output_and_keys(scorer):
     _, _, _, peak, bound = _bounded_and_one_pass(scorer)
     assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"

@@ -152,7 +152,8 @@ def test_dual_stream_with_the_compressor_is_bit_identical_to_single_stream():
         work_cache = IndexKCache(cache.data.clone(), cache.fp8_dtype)
         work_state = state.clone()
         step = indexer.compression_step(db, work_state)
-        q_fp8, weights = strategy(indexer, x, q_lora, db.positions, step, work_cache.data, None)
+        plan = indexer.step_plan(db.num_tokens, True, next_n=2)
+        q_fp8, weights = strategy(plan, x, q_lora, db.positions, step, work_cache.data, None)
         torch.cuda.synchronize()
         outs.append((q_fp8, weights, work_cache.data, work_state.window))
     for a, b in zip(*outs):
