@@ -101,7 +101,8 @@ class Indexer(nn.Module):
         # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
         self.fuse_x_projections = True
-        self._plans: dict[tuple, StepPlan] = {}  # `step_plan`: one per problem class, weights and registry state
+        self._plans: dict[tuple, StepPlan] = {}
+        self._registry = None  # default_registry(), taken on the first step  # `step_plan`: one per problem class, weights and registry state
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
         self._activation_wq_b: tuple[tuple, torch.Tensor] | None = None
         self._fp32_weights_proj: tuple[tuple, torch.Tensor] | None = None
@@ -379,7 +380,9 @@ class Indexer(nn.Module):
         problem class, the weights in the forms the step reads, the GEMM layouts, and the ops' implementations
         (resolved on first use). Built once and kept while the weights, the target, the registry's resolutions and
         the knobs (``fuse_x_projections``, ``allow_unrounded_q_lora_quant``) stay as they were."""
-        registry = default_registry()
+        registry = self._registry
+        if registry is None:  # the process-wide registry is created once and never replaced: keep it
+            registry = self._registry = default_registry()
         target = self.target
         bucket = 1 << max(0, tokens - 1).bit_length()  # `token_bucket`, inline: the warm path builds no Problem
         # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
