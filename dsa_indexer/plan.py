@@ -73,13 +73,11 @@ class StepPlan:
     def run(self, role: str, op: str, *args: Any) -> Any:
         """Run ``op`` (schema-ordered ``args``) as this plan's ``role`` (a name for one call site of the step, e.g.
         "wq_b_gemm"): resolved on the role's first call, a direct call of the implementation after."""
+        if torch.compiler.is_compiling():  # traced: the op's custom op holds the call (resolved at run time)
+            return getattr(torch.ops.dsa_indexer, op)(*args, target=str(self.target))
         fn = self._kernels.get(role)
         if fn is None:
-            if torch.compiler.is_compiling():
-                return getattr(torch.ops.dsa_indexer, op)(*args, target=str(self.target))
             fn = self._kernels[role] = self.registry.function(op, self.target, ops.OPERATORS[op].problem(*args))
-        elif torch.compiler.is_compiling():
-            return getattr(torch.ops.dsa_indexer, op)(*args, target=str(self.target))
         return fn(*args)
 
     def note_reuse(self, used: bool, reason: str | None) -> None:
