@@ -21,7 +21,7 @@ from .contract.cache import LAYOUT_PAGED64, IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
-from .dispatch.problem import Problem, token_bucket
+from .dispatch.problem import Problem
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
 from .pipeline import PIPELINE_OP, STEPS, k_path, k_path_plain
@@ -537,7 +537,7 @@ class Indexer(nn.Module):
         ``plan_row_bytes(topk)`` / ``plan_key_bytes``); by default its fp32 logits, 4 B per key."""
         cfg = self.config
         problem = ops.problem("ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim,
-                              fp8="fnuz" if self.fp8_dtype == torch.float8_e4m3fnuz else "fn", k=cfg.topk)
+                              fp8=ops.fp8_name(self.fp8_dtype), k=cfg.topk)
         res = default_registry().resolve("ragged_mqa_topk", self.target, problem)
         info = res.chosen.info if res.chosen is not None else {}
         row_bytes = info.get("plan_row_bytes")

@@ -20,7 +20,7 @@ Shapes: T tokens, H index heads, D = 128 head dim, B requests, N = next_n, K = q
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -36,8 +36,6 @@ from .dispatch.target import Target, parse_target, target_of_tensor
 NORMS = ("layernorm", "rmsnorm", "none")
 MAX_PAGES = (2**31 - 1) // PAGE_SIZE  # a page past this has slots beyond int32
 KEY_FORMATS = ("bf16", "int8")  # the plain paged layouts (contract/cache.py: paged64_bf16, paged64_int8)
-
-TargetArg = "Target | str | None"
 
 _PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
 

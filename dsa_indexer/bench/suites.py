@@ -49,10 +49,6 @@ def pipeline_variant(impl_id: str, reuse: bool, registered: Sequence[str] = ()) 
     return short + (REUSE if reuse else "")
 
 
-def _fp8_name(dtype: torch.dtype) -> str:
-    return "fnuz" if dtype == torch.float8_e4m3fnuz else "fn"
-
-
 # --- inputs --------------------------------------------------------------------------------------------------------
 def random_cache(num_pages: int, device: torch.device, fp8_dtype: torch.dtype, seed: int = 0,
                  layout: str = "paged64_fp8_e4m3"):
@@ -177,7 +173,7 @@ class _Run:
 def bench_decode(run: _Run, batch: int, context: int) -> None:
     """``lightning_indexer`` (paged logits + top-k) per accepted implementation at one (B, context)."""
     args = _decode_inputs(batch, context, run.device, run.fp8)
-    problem = ops.problem("lightning_indexer", heads=HEADS, dim=DIM, next_n=1, k=TOPK, fp8=_fp8_name(run.fp8),
+    problem = ops.problem("lightning_indexer", heads=HEADS, dim=DIM, next_n=1, k=TOPK, fp8=ops.fp8_name(run.fp8),
                           slots=False)
     bytes_moved = batch * context * (132 + 4)  # keys + scales read, fp32 logits written (an upper bound)
     shape = {"batch": batch, "context": context}
@@ -201,7 +197,7 @@ def _deepgemm_kernel_alone(run: _Run, args, shape: dict, keys_bytes: int) -> flo
     """DeepGEMM's paged logits kernel alone (no tail mask, its schedule metadata made once per step, as every
     layer after the first sees it), where the registry accepts it: the yardstick of issue 23 (lightning_indexer
     <= 1.15x this). None where DeepGEMM is not accepted here."""
-    problem = ops.problem("paged_mqa_logits", heads=HEADS, dim=DIM, next_n=1, fp8=_fp8_name(run.fp8))
+    problem = ops.problem("paged_mqa_logits", heads=HEADS, dim=DIM, next_n=1, fp8=ops.fp8_name(run.fp8))
     res = default_registry().resolve("paged_mqa_logits", run.target, problem)
     if not any(c.accepted and c.impl.impl_id == DEEPGEMM_PAGED for c in res.candidates):
         return None
@@ -312,7 +308,7 @@ def bench_prefill(run: _Run, queries: int, keys: int) -> None:
     ke = torch.arange(keys - queries + 1, keys + 1, dtype=torch.int32, device=run.device)  # causal rows
     ks = torch.zeros_like(ke)
     flops = 2 * HEADS * DIM * float(ke.double().sum().cpu())  # the visible (causal) part
-    problem = ops.problem("ragged_mqa_logits", heads=HEADS, dim=DIM, fp8=_fp8_name(run.fp8))
+    problem = ops.problem("ragged_mqa_logits", heads=HEADS, dim=DIM, fp8=ops.fp8_name(run.fp8))
     shape = {"queries": queries, "keys": keys}
     for impl in run.accepted("ragged_mqa_logits", problem, shape, work=queries * keys, limit=REFERENCE_MAX_PAIRS):
         us = run.timed("ragged_mqa_logits", impl, lambda: ops.ragged_mqa_logits(q, k, scales, weights, ks, ke), shape)

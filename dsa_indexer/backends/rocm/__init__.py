@@ -26,8 +26,7 @@ reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (n
 
 from __future__ import annotations
 
-import torch
-
+from ...contract.specs import fp8_name
 from ...dispatch.environment import Environment
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
@@ -45,7 +44,7 @@ AITER_TARGETS = ("gfx942", "gfx950", "gfx1250")
 
 def _fp8_flavour(target: Target) -> str:
     """The target's fp8 flavour as problems name it ("fn" / "fnuz"), from its platform (one arch table)."""
-    return "fnuz" if target.fp8_dtype == torch.float8_e4m3fnuz else "fn"
+    return fp8_name(target.fp8_dtype)
 
 
 HEAD_DIM = 128
