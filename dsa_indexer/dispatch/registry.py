@@ -2,8 +2,9 @@
 
 An implementation is a record (`Implementation`): op name, id ``<op>.<vendor>.<variant>``, the targets it
 serves (an exact arch such as ``sm90``, a family such as ``rocm``, or ``*``), an explicit priority,
-the environment facts it needs (``gpu``, ``triton``, a vendor library's fact ...), and two checks that return a reason when
-they say no: ``available(target, env)`` and ``supports(problem, target)``.
+the environment facts it needs (``gpu``, ``triton``, a vendor library's fact ...), its declared ``capabilities``
+(`dispatch.capabilities.Capabilities`: heads, dims, fp8 flavours, next_n ... as data), and two checks that return a
+reason when they say no: ``available(target, env)`` and ``supports(problem, target)`` (for what data cannot say).
 
 `Registry.resolve` is a pure function of (op, target, problem, environment, overrides) and returns a
 `Resolution` that lists every candidate with its verdict. `Registry.call` caches the chosen function per
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..envflags import env_flag
+from .capabilities import Capabilities
 from .environment import Environment
 from .problem import Problem
 from .target import Target, note_registered_archs, reload_environment
@@ -51,6 +53,8 @@ class Implementation:
     # A composition (it calls other ops) receives the resolved target as ``target=``, so its inner resolutions are
     # made for the same target (and strict mode applies to them) instead of re-detecting from the tensors' device.
     takes_target: bool = False
+    # The facts it takes, as data; checked before ``supports``, every failing fact reported at once.
+    capabilities: Capabilities | None = None
 
     def __post_init__(self) -> None:
         parts = self.impl_id.split(".")
@@ -109,6 +113,8 @@ class Resolution:
                 "candidates": [{"impl": c.impl.impl_id, "priority": c.impl.priority, "accepted": c.accepted,
                                 "reason": c.reason} for c in self.candidates],
                 "info": {k: str(v) for k, v in (self.chosen.info.items() if self.chosen else ())},
+                "capabilities": (self.chosen.capabilities.describe()
+                                 if self.chosen is not None and self.chosen.capabilities is not None else None),
                 "failed_plugins": list(self.failed_plugins)}
 
     def explain(self) -> str:
@@ -125,6 +131,9 @@ class Resolution:
             lines.append(f"  => {self.chosen.impl_id}")
             for key, value in self.chosen.info.items():
                 lines.append(f"     {key}: {value}")
+            if self.chosen.capabilities is not None:
+                takes = ", ".join(f"{k} {v}" for k, v in self.chosen.capabilities.describe().items())
+                lines.append(f"     takes: {takes}")
         for failure in self.failed_plugins:
             lines.append(f"  failed plugin: {failure}")
         return "\n".join(lines)
@@ -203,13 +212,14 @@ class Registry:
     def implementation(self, op: str, *, impl_id: str, targets: Iterable[str], priority: int,
                        requires: Iterable[str] = (), available: Check | None = None, supports: Check | None = None,
                        description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None,
-                       takes_target: bool = False) -> Callable[[Callable], Callable]:
+                       takes_target: bool = False, capabilities: Capabilities | None = None
+                       ) -> Callable[[Callable], Callable]:
         """Decorator form: the decorated function is the factory returning the kernel callable."""
 
         def wrap(factory: Callable[[], Callable]) -> Callable[[], Callable]:
             self.register(Implementation(op, impl_id, tuple(targets), priority, factory, tuple(requires), available,
                                          supports, description or (factory.__doc__ or "").strip().split("\n")[0],
-                                         origin, dict(info or {}), takes_target))
+                                         origin, dict(info or {}), takes_target, capabilities))
             return factory
 
         return wrap
@@ -376,13 +386,14 @@ class Registry:
             reason = impl.available(target, env)
             if reason is not None:
                 return reason
+        reasons = impl.capabilities.reasons(problem, target) if impl.capabilities is not None else []
         if impl.supports is not None:
             reason = impl.supports(problem, target)
             if isinstance(reason, (list, tuple)):  # a check may report every failing fact at once
-                reason = "; ".join(reason) or None
-            if reason is not None:
-                return reason
-        return None
+                reasons += [r for r in reason if r not in reasons]
+            elif reason is not None and reason not in reasons:
+                reasons.append(reason)
+        return "; ".join(reasons) or None
 
     def choose(self, op: str, target: Target, problem: Problem | None = None) -> Resolution:
         """`resolve`, then apply strict mode and the fallback warning; raise when nothing can run."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.environment import Environment
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
@@ -61,51 +62,24 @@ def _deep_gemm_probe() -> str | None:
     return deepgemm.probe()
 
 
-def _common_checks(problem: Problem, target: Target) -> str | None:
-    fp8 = problem.get("fp8")
-    if fp8 is not None and fp8 != "fn":
-        return f"fp8={fp8}: DeepGEMM takes float8_e4m3fn only"
-    return None
-
-
-def _logits_supports(op: str):
-    def check(problem: Problem, target: Target) -> str | None:
-        reason = _common_checks(problem, target)
-        if reason:
-            return reason
-        dim = problem.get("dim")
-        if dim is not None and dim != HEAD_DIM:
-            return f"head dim {dim}: the DeepGEMM adapters take {HEAD_DIM} (the cache layout's)"
-        heads = problem.get("heads")
-        allowed = LOGITS_HEADS.get(target.arch, ())
-        if heads is not None and heads not in allowed:
-            return f"heads={heads}: DeepGEMM logits on {target.arch} take {' or '.join(map(str, allowed))} heads"
-        if op == "paged_mqa_logits":
-            next_n = problem.get("next_n")
-            limits = PAGED_NEXT_N.get(target.arch)
-            if next_n is not None and limits is not None and next_n not in limits:
-                return f"next_n={next_n}: DeepGEMM paged logits on {target.arch} take next_n in {set(limits)}"
-        return None
-
-    return check
+# What the DeepGEMM adapters take, declared (dispatch/capabilities.py); the registry reports every failing fact.
+LOGITS_CAPS = Capabilities("DeepGEMM logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS)
+PAGED_CAPS = Capabilities("DeepGEMM paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS,
+                          next_n=PAGED_NEXT_N)
+GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",),
+                         out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
+                         k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
+                         n=Rule(lambda n: n % 64 == 0, "N a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
+CAPABILITIES = {"paged_mqa_logits": PAGED_CAPS, "ragged_mqa_logits": LOGITS_CAPS, "gemm_fp8_blockscale": GEMM_CAPS}
 
 
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
-    reason = _common_checks(problem, target)
-    if reason:
-        return reason
+    """What the declared capabilities cannot say: sm100 is held back until the GEMM problem carries the scale
+    format (the adapter packs power-of-two scales into ue8m0 words, `deepgemm.py`; plain fp32 scales would be
+    rounded down to a power of two by DeepGEMM there, silently)."""
     if target.arch == "sm100":
-        return ("sm100: DeepGEMM wants packed ue8m0 (power-of-two) scales, our quant op makes plain fp32 "
-                "scales (the ue8m0 path is not implemented)")
-    out = problem.get("out")
-    if out is not None and out != str(torch.bfloat16):
-        return f"out={out}: the DeepGEMM adapter writes bf16"
-    k = problem.get("k")
-    if k is not None and k % 128:
-        return f"K={k}: the (1, 128, 128) recipe needs K to be a multiple of 128"
-    n = problem.get("n")
-    if n is not None and n % 64:
-        return f"N={n}: kept to multiples of 64 (DeepGEMM's TMA store alignment for bf16 output)"
+        return ("sm100: DeepGEMM takes packed ue8m0 scales there; the gemm_fp8_blockscale problem does not carry the "
+                "scale format yet, so fp32 scales cannot be told from power-of-two ones")
     return None
 
 
@@ -129,11 +103,6 @@ def _cuda_jit_probe() -> str | None:
     return topk.probe()
 
 
-def _lightning_supports(problem: Problem, target: Target) -> str | None:
-    # The logits half is DeepGEMM's paged kernel: the same limits (heads, next_n, dim, fp8 flavour).
-    return _logits_supports("paged_mqa_logits")(problem, target)
-
-
 def _lightning_available(target: Target, env: Environment) -> str | None:
     return _available("paged_mqa_logits")(target, env)
 
@@ -147,18 +116,8 @@ FUSED_LIGHTNING_PRIORITY = -1
 FUSED_LIGHTNING_HEADS = 64
 
 
-def _fused_lightning_supports(problem: Problem, target: Target) -> list[str]:
-    reasons = []
-    heads = problem.get("heads")
-    if heads is not None and heads != FUSED_LIGHTNING_HEADS:
-        reasons.append(f"heads={heads}: the fused CUDA lightning kernel is built for {FUSED_LIGHTNING_HEADS} heads")
-    dim = problem.get("dim")
-    if dim is not None and dim != HEAD_DIM:
-        reasons.append(f"head dim {dim}: the fused CUDA lightning kernel takes {HEAD_DIM} (the cache layout's)")
-    fp8 = problem.get("fp8")
-    if fp8 is not None and fp8 != "fn":
-        reasons.append(f"fp8={fp8}: the fused CUDA lightning kernel takes float8_e4m3fn only")
-    return reasons
+FUSED_LIGHTNING_CAPS = Capabilities("the fused CUDA lightning kernel", heads=(FUSED_LIGHTNING_HEADS,),
+                                    dim=(HEAD_DIM,), fp8=("fn",))
 
 
 def _fused_lightning_factory():
@@ -220,11 +179,12 @@ def _factory(op: str):
 def dsa_indexer_register(registry: Registry) -> None:
     registry.add_probe("deep_gemm", _deep_gemm_probe)  # a simulated environment keeps its fixed facts
     for op in OPS:
-        supports = _gemm_supports if op == "gemm_fp8_blockscale" else _logits_supports(op)
+        supports = _gemm_supports if op == "gemm_fp8_blockscale" else None
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else {}
         registry.implementation(op, impl_id=f"{op}.cuda.deepgemm", targets=DEEPGEMM_TARGETS,
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
-                                supports=supports, description=DESCRIPTIONS[op], info=info)(_factory(op))
+                                supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
+                                info=info)(_factory(op))
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
@@ -237,12 +197,12 @@ def dsa_indexer_register(registry: Registry) -> None:
                             )(_flashinfer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
-                            available=_lightning_available, supports=_lightning_supports,
+                            available=_lightning_available, capabilities=PAGED_CAPS,  # its logits half
                             description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k"
                             )(_lightning_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.fused", targets=JIT_TARGETS,
                             priority=FUSED_LIGHTNING_PRIORITY, requires=("gpu", "cuda_jit"),
-                            supports=_fused_lightning_supports,
+                            capabilities=FUSED_LIGHTNING_CAPS,
                             description="one CUDA kernel: fp8 mma.sync paged logits in shared memory + cluster radix "
                                         "top-k (JIT-built; opt-in: slower than DeepGEMM + radix on the H200)"
                             )(_fused_lightning_factory)

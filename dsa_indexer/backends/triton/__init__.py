@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import importlib
 
+from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.plugins import hookimpl
-from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
-from ...dispatch.target import Target
 
 TRITON_PRIORITY = 100
 # The fused prefill scoring (`fused_topk.py`) ranks BELOW the composition of the best logits and top-k kernels
@@ -45,24 +44,17 @@ def _factory(module: str, name: str):
     return factory
 
 
-def _supports(op: str):
-    def check(problem: Problem, target: Target) -> str | None:
-        dim = problem.get("dim")
-        if dim is not None and dim != 128:
-            return f"head dim {dim}: the Triton kernels are written for 128"
-        width = problem.get("width")
-        group = problem.get("group_size")
-        if group is not None and group not in (32, 64, 128):
-            return f"group_size {group}: the Triton quant kernels take 32, 64 or 128"
-        if width is not None and width > 16384:
-            return f"width {width} > 16384: one row must fit one Triton program"
-        heads = problem.get("heads")
-        if op in ("ragged_mqa_logits", "paged_mqa_logits", "ragged_mqa_topk") and heads is not None and \
-                heads not in (32, 64, 128):
-            return f"heads={heads}: the Triton logits kernels take 32, 64 or 128 heads"
-        return None
+# What the Triton kernels take, declared (dispatch/capabilities.py): head dim 128, quant groups of 32-128, a row
+# within one program, and for the logits kernels 32, 64 or 128 heads.
+_KERNEL_FACTS = dict(dim=(128,), group_size=(32, 64, 128),
+                     width=Rule(lambda width: width <= 16384, "width <= 16384 (one row per Triton program)"))
+LOGITS_OPS = ("ragged_mqa_logits", "paged_mqa_logits", "ragged_mqa_topk")
 
-    return check
+
+def _capabilities(op: str) -> Capabilities:
+    if op in LOGITS_OPS:
+        return Capabilities("the Triton logits kernels", heads=(32, 64, 128), **_KERNEL_FACTS)
+    return Capabilities("the Triton kernels", **_KERNEL_FACTS)
 
 
 class _FusedRowBytes:
@@ -90,11 +82,11 @@ def dsa_indexer_register(registry: Registry) -> None:
         # target's fp8 flavour): what a reusable q_lora_quant must match, on NVIDIA and AMD alike.
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
         registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
-                                requires=("gpu", "triton"), supports=_supports(op),
+                                requires=("gpu", "triton"), capabilities=_capabilities(op),
                                 description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
-                            supports=_supports("ragged_mqa_topk"),
+                            capabilities=_capabilities("ragged_mqa_topk"),
                             description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits",
                             info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes}
                             )(_factory("fused_topk", "ragged_mqa_topk"))
