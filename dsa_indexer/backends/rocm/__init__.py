@@ -27,6 +27,7 @@ reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (n
 from __future__ import annotations
 
 from ...contract.specs import fp8_name
+from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.environment import Environment
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
@@ -80,18 +81,18 @@ def _arch_checks(problem: Problem, target: Target, what: str) -> str | None:
     return None
 
 
-def _ragged_supports(problem: Problem, target: Target) -> str | list[str]:
-    reason = _arch_checks(problem, target, "fp8_mqa_logits")
-    if reason:
-        return reason
-    reasons = []  # every shape fact the adapter cannot take, at once
-    dim = problem.get("dim")
-    if dim is not None and dim != HEAD_DIM:
-        reasons.append(f"head dim {dim}: the aiter adapter takes {HEAD_DIM} (the cache layout's)")
-    heads = problem.get("heads")
-    if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
-        reasons.append(f"heads={heads}: aiter's fp8_mqa_logits needs a power of two, and tl.dot 16..128 rows")
-    return reasons
+def _ragged_supports(problem: Problem, target: Target) -> str | None:
+    return _arch_checks(problem, target, "fp8_mqa_logits")
+
+
+# The shape facts aiter's logits kernels take, declared (dispatch/capabilities.py): every failing one at once.
+_TL_DOT_HEADS = Rule(lambda heads: 16 <= heads <= 128 and not heads & (heads - 1),
+                     "a power of two in 16..128 (all heads tile one tl.dot)")
+RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_DOT_HEADS)
+PAGED_CAPS = Capabilities("aiter's paged kernel",
+                          next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
+                                                        "request, not the per-row lengths of this op)"),
+                          dim=(HEAD_DIM,), heads=_TL_DOT_HEADS)
 
 
 def _topk_supports(problem: Problem, target: Target) -> str | None:
@@ -156,23 +157,11 @@ def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
     return None
 
 
-def _paged_supports(problem: Problem, target: Target) -> str | list[str]:
+def _paged_supports(problem: Problem, target: Target) -> str | None:
     if target.arch == "gfx1250":
         return ("gfx1250: not enabled (aiter's own gfx1250 paged path takes KVBlockSize 1 without preshuffle, and "
                 "its plain Triton kernel has not been run there); the library's Triton kernel serves it")
-    reason = _arch_checks(problem, target, "deepgemm_fp8_paged_mqa_logits")
-    if reason:
-        return reason
-    reasons = []  # every shape fact the kernel cannot take, at once
-    if problem.get("next_n") not in (None, 1):
-        reasons.append(f"next_n={problem.get('next_n')}: aiter's paged kernel derives the rows' lengths from one "
-                       "length per request (causal next_n), not the per-row lengths of this op")
-    if problem.get("dim") not in (None, HEAD_DIM):
-        reasons.append(f"head dim {problem.get('dim')}: the cache layout's is {HEAD_DIM}")
-    heads = problem.get("heads")
-    if heads is not None and (heads < 16 or heads > 128 or heads & (heads - 1)):
-        reasons.append(f"heads={heads}: aiter's paged kernel tiles all heads in one tl.dot (a power of two, 16..128)")
-    return reasons
+    return _arch_checks(problem, target, "deepgemm_fp8_paged_mqa_logits")
 
 
 def _paged_factory():
@@ -216,7 +205,7 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "ragged_mqa_logits", impl_id="ragged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("ragged_wrapper", "ragged_mqa_logits"),
-        supports=_ragged_supports,
+        supports=_ragged_supports, capabilities=RAGGED_CAPS,
         description="aiter Triton fp8_mqa_logits, starts aligned down to 128 then the head re-masked",
         info={"vendor_function": "aiter.ops.triton.fp8_mqa_logits.fp8_mqa_logits",
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
@@ -225,6 +214,7 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "paged_mqa_logits", impl_id="paged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("paged_logits", "paged_mqa_logits"), supports=_paged_supports,
+        capabilities=PAGED_CAPS,
         description="aiter's plain Triton _deepgemm_fp8_paged_mqa_logits launched here, KVBlockSize 64 (reads "
                     "paged64_fp8_e4m3 directly)",
         info={"vendor_function": "aiter.ops.triton._triton_kernels.attention.pa_mqa_logits."
