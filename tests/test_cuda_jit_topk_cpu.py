@@ -220,6 +220,25 @@ def test_flashinfer_supports_and_api_checks():
         flashinfer_topk.make_topk_indices(old)
 
 
+def test_the_flashinfer_probe_is_the_shared_vendor_library_probe(monkeypatch):
+    """Installed -> import -> feature detection through `dispatch.vendor.VendorLibrary`, as DeepGEMM, aiter and
+    torch_npu are probed: an old build is refused with its reason, the double's API passes and is described."""
+    import sys
+
+    old = types.ModuleType("flashinfer")
+    old.__version__ = "0.2"
+    monkeypatch.setitem(sys.modules, "flashinfer", old)
+    flashinfer_topk.LIBRARY.reset()
+    assert "flashinfer 0.2 has no top_k_ragged_transform" in flashinfer_topk.probe()
+    module, _ = _flashinfer_double()
+    fresh = types.ModuleType("flashinfer")
+    fresh.__dict__.update(vars(module))
+    monkeypatch.setitem(sys.modules, "flashinfer", fresh)
+    assert flashinfer_topk.probe() is None
+    assert flashinfer_topk.LIBRARY.description() == "flashinfer 0.7.4-double"
+    flashinfer_topk.LIBRARY.reset()
+
+
 def test_flashinfer_ranks_below_the_cuda_and_triton_top_k():
     res = _resolve("sm90", gpu=True, triton=True, cuda_jit=True, flashinfer=True)
     order = [c.impl.impl_id for c in res.candidates if c.accepted]

@@ -15,11 +15,12 @@ and the factory.
 
 from __future__ import annotations
 
-import importlib.util
 from types import ModuleType
 from typing import Callable
 
 import torch
+
+from ...dispatch.vendor import VendorLibrary
 
 IMPL_ID = "topk_indices.cuda.flashinfer"
 PRIORITY = 60
@@ -28,18 +29,9 @@ INSTALL_HINT = "pip install 'dsa-indexer[flashinfer]' (flashinfer-python; it JIT
 
 
 def probe() -> str | None:
-    """None when ``flashinfer`` imports and has the ragged top-k with a tie-break, else the reason."""
-    try:
-        found = importlib.util.find_spec("flashinfer") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return f"flashinfer is not installed ({INSTALL_HINT})"
-    try:
-        import flashinfer
-    except Exception as exc:  # noqa: BLE001 - a broken install must not take the host down
-        return f"flashinfer is installed but failed to import ({type(exc).__name__}: {exc})"
-    return api_problem(flashinfer)
+    """None when ``flashinfer`` imports and has the ragged top-k with a tie-break, else the reason (the shared
+    vendor-library probe: installed, import, feature detection)."""
+    return LIBRARY.probe()
 
 
 def api_problem(module: ModuleType) -> str | None:
@@ -48,6 +40,10 @@ def api_problem(module: ModuleType) -> str | None:
     if getattr(getattr(module, "TopKTieBreak", None), "SMALL", None) is None:
         return f"flashinfer {getattr(module, '__version__', '?')} has no TopKTieBreak.SMALL (deterministic ties)"
     return None
+
+
+LIBRARY = VendorLibrary(module="flashinfer", install_hint=INSTALL_HINT, usable=lambda module: api_problem(module),
+                        describe=lambda module: f"flashinfer {getattr(module, '__version__', '?')}")
 
 
 def supports(problem, target) -> str | None:
