@@ -12,6 +12,7 @@ import torch
 
 from dsa_indexer import Environment, Problem, default_registry
 from dsa_indexer.backends.cuda import flashinfer_topk, jit
+from doubles.flashinfer import flashinfer_double
 from dsa_indexer.backends.cuda import topk as cuda_topk
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.dispatch import parse_target
@@ -179,25 +180,8 @@ def test_nan_as_neg_inf_maps_every_nan_and_nothing_else():
 
 
 # --- FlashInfer adapter, against a double of flashinfer 0.7's documented top_k_ragged_transform -------------
-def _flashinfer_double():
-    """A test double, named as such: implements FlashInfer's documented semantics in plain torch (per-row
-    lengths, -1 padding for rows shorter than k, lower-index ties with TopKTieBreak.SMALL, + offsets)."""
-    calls = []
-
-    def top_k_ragged_transform(x, offsets, lengths, k, deterministic=False, tie_break=0, dsa_graph_safe=False,
-                               row_starts=None):
-        calls.append(dict(deterministic=deterministic, tie_break=tie_break, offsets=offsets, lengths=lengths,
-                          dtype=lengths.dtype))
-        out = ref.topk_indices(x, k, lengths)
-        return torch.where(out >= 0, out + offsets[:, None], out)
-
-    module = types.SimpleNamespace(top_k_ragged_transform=top_k_ragged_transform, __version__="0.7.4-double",
-                                   TopKTieBreak=types.SimpleNamespace(NONE=0, SMALL=1, LARGE=2))
-    return module, calls
-
-
 def test_flashinfer_adapter_passes_lengths_and_asks_for_deterministic_low_index_ties():
-    module, calls = _flashinfer_double()
+    module, calls = flashinfer_double()
     adapter = flashinfer_topk.make_topk_indices(module)
     logits = torch.randn(5, 300)
     ends = torch.tensor([300, 10, 64, 299, 0], dtype=torch.int32)
@@ -230,7 +214,7 @@ def test_the_flashinfer_probe_is_the_shared_vendor_library_probe(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", old)
     flashinfer_topk.LIBRARY.reset()
     assert "flashinfer 0.2 has no top_k_ragged_transform" in flashinfer_topk.probe()
-    module, _ = _flashinfer_double()
+    module, _ = flashinfer_double()
     fresh = types.ModuleType("flashinfer")
     fresh.__dict__.update(vars(module))
     monkeypatch.setitem(sys.modules, "flashinfer", fresh)

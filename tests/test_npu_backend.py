@@ -1,5 +1,5 @@
 """The Ascend backend end to end on the CPU, through operators registered with torch.library under torch_npu's
-published schemas (tests/npu_double.py ``install_schema_ops``: real OpOverloadPackets, as torch_npu's ops are, whose
+published schemas (tests/doubles/torch_npu.py ``install_schema_ops``: real OpOverloadPackets, as torch_npu's ops are, whose
 CPU kernels run the documented semantics in plain torch; it is not torch_npu and proves nothing about the real
 kernels' numerics or speed).
 
@@ -22,7 +22,7 @@ import contextlib
 import pytest
 import torch
 
-from npu_double import install, install_schema_ops
+from doubles.torch_npu import install, install_schema_ops
 from dsa_indexer import DecodeBatch, Indexer, IndexerConfig, PrefillBatch, ops
 from dsa_indexer.backends import npu as npu_backend
 from dsa_indexer.backends.reference import kernels as ref

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-import npu_double
-from npu_double import SCHEMAS, TorchNpuDouble, install, schema_ops
+from doubles import torch_npu as npu_double
+from doubles.torch_npu import SCHEMAS, TorchNpuDouble, install, schema_ops
 
 H, D = 64, 128
 # (query count n, key length L): decode, speculative, prefill with a prefix, prefill without, more queries than
@@ -416,7 +416,7 @@ def test_install_and_calls(monkeypatch):
 
 
 def test_rotary_mul_matches_a_per_pair_rotation():
-    from npu_double import npu_rotary_mul
+    from doubles.torch_npu import npu_rotary_mul
 
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(1, 3, 2, 8, generator=gen)  # BSND with B = 1; cos / sin 1S1D

@@ -1,6 +1,6 @@
 """The Ascend adapters against torch_npu's PUBLISHED operator schemas (tests/data/torch_npu_schemas.json: op-plugin
 master and the 7.3.0 / 26.0.0 / 26.1.0 branches, each with its commit), registered as real operators with
-torch.library (tests/npu_double.py ``schema_ops``): detection reads the schemas, every call is bound by them.
+torch.library (tests/doubles/torch_npu.py ``schema_ops``): detection reads the schemas, every call is bound by them.
 
 Also here: schemas the adapter must refuse (named argument in the reason), V4's compressed keys refused, the
 documented ``npu_rotary_mul`` limits, and the NaN rule on the NPU path (NaN never reaches torch_npu's kernels, whose
@@ -15,8 +15,8 @@ import re
 import pytest
 import torch
 
-import npu_double
-from npu_double import SCHEMAS, define_ops, install_schema_ops, schema_ops
+from doubles import torch_npu as npu_double
+from doubles.torch_npu import SCHEMAS, define_ops, install_schema_ops, schema_ops
 from dsa_indexer import ops
 from dsa_indexer.backends import npu as npu_backend
 from dsa_indexer.backends.npu import api as npu_api

@@ -17,7 +17,6 @@ order), 2e-3 on a GPU (fp8 MMA accumulation); -inf patterns and top-k index sets
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 import types
@@ -35,6 +34,8 @@ from dsa_indexer.backends.rocm import topk as rocm_topk
 from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
 from dsa_indexer.contract.quant import PRODUCER_UNROUNDED
 from dsa_indexer.contract.validate import IndexerInputError
+from doubles.aiter import (PlainPagedKernelDouble, emulated_fp8_mqa_logits, emulated_top_k_per_row_decode,
+                           install_fake_aiter)
 
 GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
 NPU = Target("npu", "npu")
@@ -198,7 +199,7 @@ def test_paged_double_keeps_upstreams_routing(monkeypatch, triton_version, gfx):
     """The double is only useful if it keeps upstream's rules: with Triton >= 3.5 on a Gluon arch,
     Preshuffle=False with KVBlockSize 64 reads page size 1 (wrong keys, no error: relative error ~1); on older
     Triton the same call reaches the plain kernel (right); gfx1250 asserts KVBlockSize == 1."""
-    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
+    fake = install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
     wrapper = fake.paged_wrapper_module.deepgemm_fp8_paged_mqa_logits
     q, cache, w, lens, table, width = _paged_case(4)
     want = ref.paged_mqa_logits(q, cache, w, lens, table, width)
@@ -216,7 +217,7 @@ def test_paged_double_keeps_upstreams_routing(monkeypatch, triton_version, gfx):
     else:
         with pytest.raises(AssertionError, match="only supported on gluon"):
             wrapper(q, cache, w, out, lens.view(-1), table, width, Preshuffle=True, KVBlockSize=64)
-    _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx1250"))
+    install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx1250"))
     with pytest.raises(AssertionError, match="KVBlockSize==1"):
         sys.modules["aiter.ops.triton.attention.pa_mqa_logits"].deepgemm_fp8_paged_mqa_logits(
             q, cache, w, out, lens.view(-1), table, width, Preshuffle=False, KVBlockSize=64)
@@ -228,7 +229,7 @@ def test_registered_paged_adapter_reads_64_token_pages_whatever_aiter_routes(mon
     """The registered factory (what resolution runs) over aiter main's doubles: equal to the reference on 64-token
     pages wherever aiter's wrapper would route to its page-size-1 Gluon kernel, because it launches the plain
     kernel itself: every program of the grid, all visible columns written, the wrapper never called."""
-    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
+    fake = install_fake_aiter(monkeypatch, paged=dict(triton_version=triton_version, gfx=gfx))
     reg = Registry(environment=WITH_AITER)
     load_plugins(reg, entry_points=False)
     problem = Problem(heads=16, dim=128, next_n=1, fp8="fn")
@@ -247,10 +248,10 @@ def test_registered_paged_adapter_reads_64_token_pages_whatever_aiter_routes(mon
 def test_paged_wrapper_launch_only_where_aiter_routes_to_the_plain_kernel(monkeypatch):
     from dsa_indexer.backends.rocm import paged
 
-    _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
+    install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
     with pytest.raises(RuntimeError, match="_gluon_deepgemm_fp8_paged_mqa_logits.*page size 1"):
         paged.make_paged_mqa_logits("wrapper")
-    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.4.0", gfx="gfx950"))
+    fake = install_fake_aiter(monkeypatch, paged=dict(triton_version="3.4.0", gfx="gfx950"))
     fn = paged.make_paged_mqa_logits("wrapper")
     args = _paged_case(5)
     assert _close(fn(*args), ref.paged_mqa_logits(*args)) < 1e-5
@@ -266,7 +267,7 @@ def test_paged_wrapper_launch_only_where_aiter_routes_to_the_plain_kernel(monkey
 def test_paged_self_test_catches_the_gluon_route_and_passes_the_kernel_launch(monkeypatch):
     from dsa_indexer.backends.rocm import paged
 
-    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
+    fake = install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"))
     paged.check_paged_adapter(paged.make_paged_mqa_logits("kernel"), "cpu", heads=16)
     wrapper = fake.paged_wrapper_module.deepgemm_fp8_paged_mqa_logits
 
@@ -384,7 +385,7 @@ def test_aiter_probe_returns_reasons_and_never_raises(monkeypatch):
     if not _real_module_installed("aiter"):
         monkeypatch.delitem(sys.modules, "aiter", raising=False)
         assert aiter_api.probe().startswith("aiter is not installed (")
-    _install_fake_aiter(monkeypatch)
+    install_fake_aiter(monkeypatch)
     monkeypatch.setattr(torch.version, "hip", None)
     assert aiter_api.probe() == "aiter needs a ROCm build of torch (torch.version.hip is None)"
     monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
@@ -414,7 +415,7 @@ def _pretend_rocm_gpu(monkeypatch):
 def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch):
     """The probe's logic with a fake aiter whose ragged kernel has the documented alignment bug: the adapter's
     workaround makes the self-test pass. Not aiter, not a GPU."""
-    fake = _install_fake_aiter(monkeypatch)
+    fake = install_fake_aiter(monkeypatch)
     _pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
@@ -435,7 +436,7 @@ def test_probe_self_tests_the_paged_path_and_turns_off_only_it(monkeypatch, tmp_
     Gluon route as not used, self-tests the kernel launch on 64-token pages. A kernel that ignores KVBlockSize
     (reads page size 1) fails the self-test: only paged_mqa_logits.rocm.aiter is off, with the reason in explain."""
     prebuilt = ("module_top_k_per_row", "module_gemm_a8w8_blockscale")
-    fake = _install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"),
+    fake = install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"),
                                jit=dict(tmp_path=tmp_path, prebuilt=prebuilt))
     _pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
@@ -470,7 +471,7 @@ def test_probe_self_tests_the_paged_path_and_turns_off_only_it(monkeypatch, tmp_
 def test_aiter_0_1_7_provides_no_paged_logits_and_says_which_aiter_does(monkeypatch, tmp_path, registry):
     """An aiter without the block-level kernel (0.1.7's paths): the probe passes, paged logits are absent, and the
     reason names what is needed and where it was found."""
-    _install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_top_k_per_row",)))
+    install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_top_k_per_row",)))
     _pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
@@ -490,7 +491,7 @@ def test_compiled_modules_must_be_prebuilt_never_built_in_a_call(monkeypatch, tm
     not built is off, with how to prebuild it; built ones (in aiter/jit or $AITER_JIT_DIR) are used; AITER_REBUILD
     (rebuild at the first call) counts as not built."""
     prebuilt = () if how == "absent" else ("module_top_k_per_row",)
-    fake = _install_fake_aiter(monkeypatch, with_stable=True,
+    fake = install_fake_aiter(monkeypatch, with_stable=True,
                                jit=dict(tmp_path=tmp_path, prebuilt=prebuilt if how != "jit_dir" else (),
                                         rebuild=int(how == "rebuild")))
     if how == "jit_dir":
@@ -519,7 +520,7 @@ def test_compiled_modules_must_be_prebuilt_never_built_in_a_call(monkeypatch, tm
 
 
 def test_gemm_needs_its_ck_tile_module_where_aiter_has_that_variant(monkeypatch, tmp_path, registry):
-    fake = _install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_gemm_a8w8_blockscale",)))
+    fake = install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_gemm_a8w8_blockscale",)))
     fake.gemm_a8w8_blockscale = lambda *a, **k: None
     _pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
@@ -564,332 +565,13 @@ def test_torch_npu_probe_returns_reasons(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", module)
     monkeypatch.setattr(npu_backend.LIBRARY, "detected", None)
     assert "has no argument 'actual_seq_lengths_query'" in npu_backend.torch_npu_probe()
-    # The published operator schemas (tests/npu_double.py registers them through torch.library) pass.
-    from npu_double import install_schema_ops
+    # The published operator schemas (tests/doubles/torch_npu.py registers them through torch.library) pass.
+    from doubles.torch_npu import install_schema_ops
 
     install_schema_ops(monkeypatch)
     monkeypatch.setattr(npu_backend.LIBRARY, "detected", None)
     assert npu_backend.torch_npu_probe() is None
     assert npu_backend.LIBRARY.detected_api().indexer is not None
-
-
-# --- fake aiter ------------------------------------------------------------------------------------------------------
-def _emulated_aiter_fp8_mqa_logits(q, kv, kv_scales, weights, cu_starts, cu_ends):
-    """What aiter 0.1.7's ``_fp8_mqa_logits_kernel`` computes, emulated in torch from its documented block walk:
-    unmasked 128-column blocks from the row start up to the first block start >= ``end // 128 * 128``, then one
-    block whose window test uses offsets from ``end // 128 * 128`` while its pointers continue from the loop
-    (the alignment bug). Stores past the row end land in the next row or outside the buffer in the real kernel;
-    here they are dropped."""
-    rows, keys = q.shape[0], kv.shape[0]
-    out = torch.full((rows, keys), float("-inf"))
-    full = ref.ragged_mqa_logits(q, kv, kv_scales, weights, torch.zeros(rows, dtype=torch.int32),
-                                 torch.full((rows,), keys, dtype=torch.int32))
-    for r in range(rows):
-        start, end = max(int(cu_starts[r]), 0), min(int(cu_ends[r]), keys)
-        aligned_end = end // 128 * 128
-        col = start
-        while col < aligned_end:
-            out[r, col:min(col + 128, keys)] = full[r, col:min(col + 128, keys)]
-            col += 128
-        if aligned_end != end:
-            for i in range(128):
-                offset, dst = aligned_end + i, col + i
-                if start <= offset < end and dst < keys:
-                    out[r, dst] = full[r, dst] if offset < keys else 0.0
-    return out
-
-
-def _twiddled_keys(values: torch.Tensor) -> torch.Tensor:
-    """aiter's ``twiddle_in`` (csrc/kernels/topk_per_row_kernels.cu, e4048607): fp32 bits XOR 0x7fffffff for a clear
-    sign bit, unchanged for a set one; the kernel keeps the SMALLEST keys. So larger values win, and a positive NaN
-    (0x7fc00000) beats +inf while a negative NaN loses to -inf."""
-    bits = values.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)
-
-
-def _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
-    """aiter's decode top-k semantics (row r sees [0, seqLens[r // next_n] - next_n + r % next_n + 1); short rows
-    give 0..len-1 then -1; long rows the 2048 smallest twiddled keys, ties to the lower column), so a NaN is ranked
-    as aiter's kernel ranks it, not by the library's rule."""
-    rows = torch.arange(numRows)
-    ends = (seqLens.long()[rows // next_n] - next_n + rows % next_n + 1)
-    out = torch.full((numRows, 2048), -1, dtype=torch.int32)
-    for r in range(numRows):
-        end = int(ends[r])
-        if end <= 2048:
-            out[r, : max(end, 0)] = torch.arange(max(end, 0), dtype=torch.int32)
-            continue
-        keys = _twiddled_keys(logits[r, :end])
-        out[r] = torch.sort(keys, stable=True).indices[:2048].to(torch.int32)
-    indices.copy_(out)
-
-
-def _emulated_fused_rms_fp8_group_quant(inp1, inp1_weight, inp1_epsilon, inp2=None, inp2_weight=None,
-                                        inp2_epsilon=None, group_size=128, dtype_quant=torch.float8_e4m3fn, res1=None,
-                                        output_unquantized_inp1=False, transpose_scale=False):
-    """aiter's fused RMSNorm + group quant recipe in torch: quantize the fp32 normed value (before the bf16
-    rounding), amax clamped at 1e-10, range torch.finfo(dtype).max, multiply by 1/scale."""
-    xf = inp1.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + inp1_epsilon) * inp1_weight.float()
-    groups = normed.reshape(normed.shape[0], -1, group_size)
-    fmax = torch.finfo(dtype_quant).max
-    scale = groups.abs().amax(dim=-1).clamp_min(1e-10) / fmax
-    x_fp8 = (groups * (1.0 / scale)[..., None]).clamp(-fmax, fmax).to(dtype_quant).reshape(inp1.shape)
-    return (x_fp8, scale), (normed.to(inp1.dtype) if output_unquantized_inp1 else None), None, None
-
-
-# --- a double of aiter's paged logits that keeps upstream's routing rules (ROCm/aiter main e4048607) ---------------
-GLUON_ARCHS = ("gfx942", "gfx950", "gfx1250")  # aiter's _GLUON_PA_MQA_LOGITS_ARCHS
-
-
-def _paged_scores(q_row, keys, scales, w_row):
-    """sum_h w[h] * relu(q[h] . k) * scale, in fp32 (what every variant computes once it has its keys)."""
-    return torch.relu(q_row.float() @ keys.float().T).mul(w_row.float()[:, None]).sum(0) * scales.float()
-
-
-class PlainPagedKernelDouble:
-    """aiter's plain Triton ``_deepgemm_fp8_paged_mqa_logits``, emulated from its source: program ``pid`` ->
-    (row, split), chunks of ChunkK keys, key t of request b read at ``kv_indices[b, t // KVBlockSize]`` block and
-    token ``t % KVBlockSize`` through the block / token strides it is given (pointer arithmetic via as_strided), a
-    -inf mask for ``t > len - next_n + row``, stores below ``max_model_len``. Only launched programs write."""
-
-    # The kernel's parameters in ROCm/aiter e4048607 (kept here as data, independent of the adapter under test).
-    arg_names = ["batch_size", "next_n", "heads_num", "Q_buffer", "stride_q_batch", "stride_q_next_n",
-                 "stride_q_heads", "KV_buffer", "stride_k_block", "stride_k_token", "scale_buffer",
-                 "stride_scale_block", "stride_scale_token", "context_len_ptr", "kv_indices", "weights",
-                 "stride_w_batch", "OutLogits_buffer", "stride_out_batch", "max_model_len", "max_blk_len", "ChunkQ",
-                 "ChunkK", "HiddenDim", "KVBlockSize", "SplitKV"]
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(**kw):
-            missing = set(self.arg_names) - set(kw)
-            assert not missing, f"kernel launched without {sorted(missing)}"
-            self.launches.append((grid, kw))
-            self._run(grid[0], **kw)
-        return launch
-
-    @staticmethod
-    def _run(programs, *, batch_size, next_n, heads_num, Q_buffer, stride_q_batch, stride_q_next_n, stride_q_heads,
-             KV_buffer, stride_k_block, stride_k_token, scale_buffer, stride_scale_block, stride_scale_token,
-             context_len_ptr, kv_indices, weights, stride_w_batch, OutLogits_buffer, stride_out_batch,
-             max_model_len, max_blk_len, ChunkQ, ChunkK, HiddenDim, KVBlockSize, SplitKV):
-        assert ChunkQ == heads_num and Q_buffer.stride(3) == 1
-        blocks = KV_buffer.shape[0]
-        keys = torch.as_strided(KV_buffer, (blocks, KVBlockSize, HiddenDim), (stride_k_block, stride_k_token, 1))
-        kscale = torch.as_strided(scale_buffer, (blocks, KVBlockSize), (stride_scale_block, stride_scale_token))
-        table = kv_indices.reshape(-1)
-        out = torch.as_strided(OutLogits_buffer, (batch_size * next_n, max_model_len), (stride_out_batch, 1))
-        for pid in range(programs):
-            row, split = pid % (batch_size * next_n), pid // (batch_size * next_n)
-            b, j = row // next_n, row % next_n
-            length = int(context_len_ptr[b])
-            per_split = -(-(-(-length // ChunkK)) // SplitKV)
-            start = split * per_split * ChunkK
-            stop = min(length, start + per_split * ChunkK)
-            if stop <= start:
-                continue
-            cols = torch.arange(start, -(-stop // ChunkK) * ChunkK)
-            block_idx = cols // KVBlockSize
-            valid = (cols < length) & (block_idx < max_blk_len)
-            phys = torch.where(valid, table[(b * max_blk_len + block_idx).clamp_max(table.numel() - 1)], 0).long()
-            q = torch.as_strided(Q_buffer, (heads_num, HiddenDim), (stride_q_heads, 1),
-                                 Q_buffer.storage_offset() + b * stride_q_batch + j * stride_q_next_n)
-            w = torch.as_strided(weights, (heads_num,), (1,), weights.storage_offset() + row * stride_w_batch)
-            k = torch.where(valid[:, None], keys[phys, cols % KVBlockSize].float(), 0.0)
-            s_ = torch.where(valid, kscale[phys, cols % KVBlockSize], 0.0)
-            logits = _paged_scores(q, k, s_, w)
-            logits = torch.where(cols <= length - next_n + j, logits, float("-inf"))
-            keep = cols < max_model_len
-            out[row, cols[keep]] = logits[keep]
-
-
-def _gluon_page_size_one(q, kv_fp8, kv_scale, weights, out, context_lens, kv_indices, max_model_len, chunk):
-    """aiter's ``_gluon_deepgemm_fp8_paged_mqa_logits`` (Preshuffle=False) addressing, from its source: key t of
-    request b is row ``kv_indices[b * max_block_len + t]`` of ``KV_buffer`` with stride ``stride_k_seq`` (page size
-    1, KVBlockSize unused); buffer loads past the table's end read 0."""
-    batch, next_n, heads, dim = q.shape
-    table = kv_indices.reshape(-1)
-    width = kv_indices.shape[1]
-    keys = torch.as_strided(kv_fp8, (kv_fp8.shape[0], dim), (kv_fp8.stride(0), 1))
-    scales = torch.as_strided(kv_scale, (kv_scale.shape[0],), (kv_scale.stride(0),))
-    for b in range(batch):
-        length = int(context_lens[b])
-        cols = torch.arange(min(-(-length // chunk) * chunk, max_model_len))
-        flat = b * width + cols
-        idx = torch.where(flat < table.numel(), table[flat.clamp_max(table.numel() - 1)], 0).long()
-        for j in range(next_n):
-            row = b * next_n + j
-            logits = _paged_scores(q[b, j], keys[idx], scales[idx], weights[row])
-            out[row, cols] = torch.where(cols <= length - next_n + j, logits, float("-inf"))
-
-
-def _gluon_preshuffled(q, kv_fp8, kv_scale, weights, out, context_lens, kv_indices, max_model_len, block):
-    """aiter's preshuffle kernels' addressing: in each block, key (t, d) at ``d % 16 + d // 16 * 256 + t % 16 * 16
-    + t // 16 * 2048`` (16 x 16 tiles), scales per token after the values."""
-    batch, next_n, heads, dim = q.shape
-    t = torch.arange(block)[:, None]
-    d = torch.arange(dim)[None, :]
-    offset = d % 16 + d // 16 * 256 + t % 16 * 16 + t // 16 * 2048
-    for b in range(batch):
-        length = int(context_lens[b])
-        cols = torch.arange(min(length, max_model_len))
-        phys = kv_indices[b, cols // block].long()
-        keys = kv_fp8[phys][torch.arange(cols.numel())[:, None], offset[cols % block]]
-        scales = kv_scale[phys, cols % block]
-        for j in range(next_n):
-            row = b * next_n + j
-            logits = _paged_scores(q[b, j], keys, scales, weights[row])
-            out[row, cols] = torch.where(cols <= length - next_n + j, logits, float("-inf"))
-
-
-def _make_paged_wrapper(module, gfx, plain_kernel):
-    """aiter's ``deepgemm_fp8_paged_mqa_logits`` with its asserts and its routing: Gluon when the module's
-    ``enable_gluon_pa_mqa_logits`` is set (gfx1250 asserts KVBlockSize == 1 without preshuffle), else the plain
-    kernel (Preshuffle refused)."""
-
-    def deepgemm_fp8_paged_mqa_logits(q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
-                                      Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
-                                      VarCtxSchedule=None):
-        module.wrapper_calls.append(dict(Preshuffle=Preshuffle, KVBlockSize=KVBlockSize, ChunkK=ChunkK))
-        batch, next_n, heads, dim = q_fp8.shape
-        _, block_size, _, index_dim = kv_cache.shape
-        assert ChunkK % KVBlockSize == 0 or KVBlockSize % ChunkK == 0
-        assert block_size == KVBlockSize
-        if Preshuffle:
-            assert KVBlockSize % 16 == 0, "Preshuffle mode only supports KVBlockSize aligned to 16"
-        kv = kv_cache.view(-1, KVBlockSize * index_dim)
-        kv_fp8 = kv[..., : KVBlockSize * dim].view(q_fp8.dtype)
-        kv_scale = kv[..., KVBlockSize * dim:].view(torch.float32)
-        if module.enable_gluon_pa_mqa_logits:
-            if gfx == "gfx1250":
-                if Preshuffle:
-                    assert KVBlockSize > 1 and ChunkK % KVBlockSize == 0
-                else:
-                    assert KVBlockSize == 1, "gfx1250 base kernel requires KVBlockSize==1"
-            if Preshuffle:
-                _gluon_preshuffled(q_fp8, kv_fp8, kv_scale, weights, out_logits, context_lens, kv_indices,
-                                   max_model_len, KVBlockSize)
-            else:
-                _gluon_page_size_one(q_fp8, kv_fp8, kv_scale, weights, out_logits, context_lens, kv_indices,
-                                     max_model_len, ChunkK)
-            return
-        assert not Preshuffle, "Preshuffle mode is only supported on gluon kernel."
-        values = kv_fp8.view(-1, KVBlockSize, dim)
-        scales = kv_scale.view(-1, KVBlockSize)
-        split = 5
-        plain_kernel[(batch * next_n * split,)](
-            batch_size=batch, next_n=next_n, heads_num=heads, Q_buffer=q_fp8, stride_q_batch=q_fp8.stride(0),
-            stride_q_next_n=q_fp8.stride(1), stride_q_heads=q_fp8.stride(2), KV_buffer=values,
-            stride_k_block=values.stride(0), stride_k_token=values.stride(1), scale_buffer=scales,
-            stride_scale_block=scales.stride(0), stride_scale_token=scales.stride(1), context_len_ptr=context_lens,
-            kv_indices=kv_indices, weights=weights, stride_w_batch=weights.stride(0), OutLogits_buffer=out_logits,
-            stride_out_batch=out_logits.stride(0), max_model_len=max_model_len, max_blk_len=kv_indices.shape[1],
-            ChunkQ=heads, ChunkK=ChunkK, HiddenDim=dim, KVBlockSize=KVBlockSize, SplitKV=split)
-
-    return deepgemm_fp8_paged_mqa_logits
-
-
-def _install_paged_double(monkeypatch, mods, triton_version="3.5.0", gfx="gfx950", aot=False):
-    """aiter main's paged-logits modules: the routing flag computed by upstream's rule (Triton >= 3.5 and a Gluon
-    arch, or the AOT switch on older Triton), the wrapper above and the plain kernel double."""
-    from packaging.version import Version
-
-    kernel_mod = types.ModuleType("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits")
-    wrapper_mod = types.ModuleType("aiter.ops.triton.attention.pa_mqa_logits")
-    kernel_mod._deepgemm_fp8_paged_mqa_logits = PlainPagedKernelDouble()
-    wrapper_mod.triton_version = Version(triton_version)
-    wrapper_mod.enable_gluon_pa_mqa_logits = gfx in GLUON_ARCHS and (Version(triton_version) >= Version("3.5.0")
-                                                                       or aot)
-    wrapper_mod.wrapper_calls = []
-    wrapper = _make_paged_wrapper(wrapper_mod, gfx, kernel_mod._deepgemm_fp8_paged_mqa_logits)
-    wrapper.__module__ = wrapper_mod.__name__
-    wrapper_mod.deepgemm_fp8_paged_mqa_logits = wrapper
-    for name in ("aiter.ops.triton._triton_kernels", "aiter.ops.triton._triton_kernels.attention",
-                 "aiter.ops.triton.attention"):
-        pkg = types.ModuleType(name)
-        pkg.__path__ = []
-        mods[name] = pkg
-        monkeypatch.setitem(sys.modules, name, pkg)
-    for mod in (kernel_mod, wrapper_mod):
-        mods[mod.__name__] = mod
-        monkeypatch.setitem(sys.modules, mod.__name__, mod)
-    return wrapper_mod, kernel_mod
-
-
-def _install_fake_jit(monkeypatch, mods, tmp_path, prebuilt=(), rebuild=0):
-    """``aiter.jit`` with a ``core`` holding AITER_REBUILD, and a package folder holding empty ``<module>.so`` files
-    for the modules named prebuilt (find_spec only looks for the file)."""
-    import importlib.machinery
-
-    jit_dir = tmp_path / "aiter_jit"
-    jit_dir.mkdir(exist_ok=True)
-    for md in prebuilt:
-        (jit_dir / f"{md}{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
-    jit = types.ModuleType("aiter.jit")
-    jit.__path__ = [str(jit_dir)]
-    core = types.ModuleType("aiter.jit.core")
-    core.AITER_REBUILD = rebuild
-    jit.core = core
-    mods["aiter"].jit = jit
-    monkeypatch.setitem(sys.modules, "aiter.jit", jit)
-    monkeypatch.setitem(sys.modules, "aiter.jit.core", core)
-    return jit_dir
-
-
-def _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=False, with_stable=False,
-                        paged=None, jit=None):
-    """A fake aiter package tree in sys.modules whose functions record their calls (see the module docstring).
-    ``paged``: kwargs of `_install_paged_double` (aiter main's paged logits); ``jit``: kwargs of `_install_fake_jit`."""
-    calls = []
-    names = ["aiter", "aiter.dtypes", "aiter.ops", "aiter.ops.triton", "aiter.ops.triton.fp8_mqa_logits",
-             "aiter.ops.triton.fused_fp8_quant", "aiter.ops.topk"]
-    mods = {name: types.ModuleType(name) for name in names}
-    for name, mod in mods.items():
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(mods[parent], child, mod)
-        if name != "aiter.dtypes":
-            mod.__path__ = []
-        monkeypatch.setitem(sys.modules, name, mod)
-    mods["aiter.dtypes"].fp8 = fp8
-
-    if with_clean_logits:
-        def fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=False):
-            calls.append(("fp8_mqa_logits", (Q, KV, kv_scales, weights, cu_starts, cu_ends),
-                          {"clean_logits": clean_logits}))
-            return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
-    else:
-        def fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends):
-            calls.append(("fp8_mqa_logits", (Q, KV, kv_scales, weights, cu_starts, cu_ends), {}))
-            return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
-
-    if with_stable:
-        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1, k=2048, stable=False):
-            calls.append(("top_k_per_row_decode", (logits, next_n, seqLens, indices, numRows, stride0, stride1),
-                          {"k": k, "stable": stable}))
-            _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
-    else:
-        def top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1):
-            calls.append(("top_k_per_row_decode", (logits, next_n, seqLens, indices, numRows, stride0, stride1), {}))
-            _emulated_top_k_per_row_decode(logits, next_n, seqLens, indices, numRows, stride0, stride1)
-
-    def fused_rms_fp8_group_quant(*args, **kwargs):
-        calls.append(("fused_rms_fp8_group_quant", args, kwargs))
-        return _emulated_fused_rms_fp8_group_quant(*args, **kwargs)
-
-    mods["aiter.ops.triton.fp8_mqa_logits"].fp8_mqa_logits = fp8_mqa_logits
-    mods["aiter.ops.topk"].top_k_per_row_decode = top_k_per_row_decode
-    mods["aiter.ops.triton.fused_fp8_quant"].fused_rms_fp8_group_quant = fused_rms_fp8_group_quant
-    fake = mods["aiter"]
-    fake.calls = calls
-    if paged is not None:
-        fake.paged_wrapper_module, fake.paged_kernel_module = _install_paged_double(monkeypatch, mods, **paged)
-    if jit is not None:
-        fake.jit_dir = _install_fake_jit(monkeypatch, mods, **jit)
-    return fake
 
 
 # --- ragged logits adapter -------------------------------------------------------------------------------------------
@@ -923,7 +605,7 @@ def _check_logits(out, expected):
 def test_emulated_kernel_reproduces_the_alignment_bug():
     """The fake is only useful if it has the bug: unaligned starts give wrong windows, aligned ones do not."""
     q, k, s, w, ks, ke = _ragged_inputs(12, 600)
-    raw = _emulated_aiter_fp8_mqa_logits(q, k, s, w, ks, ke)
+    raw = emulated_fp8_mqa_logits(q, k, s, w, ks, ke)
     want = ref.ragged_mqa_logits(q, k, s, w, ks, ke)
     unaligned = (ks % 128 != 0) & (ke > ks)
     assert unaligned.any()
@@ -941,7 +623,7 @@ def test_ragged_adapter_aligns_starts_and_masks_the_head():
 
     def recording(q, kv, kv_scales, weights, starts, ends):
         calls.append((q, kv, kv_scales, weights, starts, ends))
-        return _emulated_aiter_fp8_mqa_logits(q, kv, kv_scales, weights, starts, ends)
+        return emulated_fp8_mqa_logits(q, kv, kv_scales, weights, starts, ends)
 
     q, k, s, w, ks, ke = _ragged_inputs(16, 700)
     s_strided = torch.stack([s, s], dim=1)[:, 0]  # non-contiguous scales
@@ -963,7 +645,7 @@ def test_ragged_adapter_empty_shapes_and_clean_logits():
 
     def newer(Q, KV, kv_scales, weights, cu_starts, cu_ends, clean_logits=False):
         seen["clean_logits"] = clean_logits
-        return _emulated_aiter_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
+        return emulated_fp8_mqa_logits(Q, KV, kv_scales, weights, cu_starts, cu_ends)
 
     out = rocm_logits.make_ragged_mqa_logits(newer)(q, k, s, w, ks, ke)
     _check_logits(out, ref.ragged_mqa_logits(q, k, s, w, ks, ke))
@@ -984,7 +666,7 @@ def test_mask_head_triton_kernel_matches_the_torch_mask(device):
 
 def test_registry_builds_the_ragged_adapter_from_the_installed_aiter(monkeypatch):
     """The registered factory finds aiter's wrapper by feature (fake module here) and the op runs end to end."""
-    fake = _install_fake_aiter(monkeypatch, with_clean_logits=True)
+    fake = install_fake_aiter(monkeypatch, with_clean_logits=True)
     reg = Registry(environment=WITH_AITER)
     load_plugins(reg, entry_points=False)
     problem = _ragged(GFX950, heads=16)
@@ -1043,7 +725,7 @@ def _same_sets(out, expected):
 
 @pytest.mark.parametrize("with_stable", [False, True])
 def test_topk_adapter_passes_decode_arguments(monkeypatch, with_stable):
-    fake = _install_fake_aiter(monkeypatch, with_stable=with_stable)
+    fake = install_fake_aiter(monkeypatch, with_stable=with_stable)
     fn = rocm_topk.make_topk_indices()
     logits = _topk_logits(5, 3000)
     ends = torch.tensor([0, 10, 2048, 2049, 3000], dtype=torch.int32)
@@ -1057,7 +739,7 @@ def test_topk_adapter_passes_decode_arguments(monkeypatch, with_stable):
 
 
 def test_topk_adapter_copies_strided_logits_and_converts_to_slots(monkeypatch):
-    fake = _install_fake_aiter(monkeypatch)
+    fake = install_fake_aiter(monkeypatch)
     fn = rocm_topk.make_topk_indices()
     wide = _topk_logits(6, 4400, seed=2)
     logits = wide[:, ::2]  # column stride 2
@@ -1075,7 +757,7 @@ def test_double_ranks_nan_as_aiters_kernel_does():
     logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(8))
     logits[0, 2999] = float("nan")
     indices = torch.empty(1, 2048, dtype=torch.int32)
-    _emulated_top_k_per_row_decode(logits, 1, torch.tensor([3000], dtype=torch.int32), indices, 1, 3000, 1)
+    emulated_top_k_per_row_decode(logits, 1, torch.tensor([3000], dtype=torch.int32), indices, 1, 3000, 1)
     assert 2999 in indices[0].tolist()
 
 
@@ -1084,7 +766,7 @@ def test_topk_adapter_ranks_nan_as_minus_inf(monkeypatch, with_stable):
     """The library's NaN rule: the result equals the top-k of where(isnan(x), -inf, x) with the usual ties. NaN
     positions in long rows must not be chosen over finite values; short rows keep all their columns; the caller's
     logits are not modified."""
-    fake = _install_fake_aiter(monkeypatch, with_stable=with_stable)
+    fake = install_fake_aiter(monkeypatch, with_stable=with_stable)
     fn = rocm_topk.make_topk_indices()
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 4000, generator=gen)
@@ -1104,7 +786,7 @@ def test_topk_adapter_ranks_nan_as_minus_inf(monkeypatch, with_stable):
 
 
 def test_topk_adapter_refuses_what_resolution_should_have_refused(monkeypatch):
-    _install_fake_aiter(monkeypatch)
+    install_fake_aiter(monkeypatch)
     fn = rocm_topk.make_topk_indices()
     logits = _topk_logits(2, 100)
     ends = torch.tensor([50, 100], dtype=torch.int32)
@@ -1126,7 +808,7 @@ def _fp8_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def test_fused_rms_quant_adapter_arguments_and_layout_tag(monkeypatch):
-    fake = _install_fake_aiter(monkeypatch)
+    fake = install_fake_aiter(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(7, 512, generator=gen).to(torch.bfloat16)
     w = torch.rand(512, generator=gen).to(torch.bfloat16) + 0.5
@@ -1147,7 +829,7 @@ def test_fused_rms_quant_adapter_arguments_and_layout_tag(monkeypatch):
 
 
 def test_fused_rms_quant_adapter_refuses_fnuz_and_bad_input(monkeypatch):
-    _install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fnuz)
+    install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fnuz)
     x = torch.randn(2, 256).to(torch.bfloat16)
     w = torch.ones(256, dtype=torch.bfloat16)
     with pytest.raises(IndexerInputError, match="224"):

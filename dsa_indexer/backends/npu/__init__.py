@@ -16,7 +16,7 @@ The fp8 ops are not registered (``UNREGISTERED`` says why), so an fp8-layout cac
 which strict mode refuses; so does V4's compressor pooling (``c4_compress_pool``), which has no torch_npu kernel.
 Nothing here has run on Ascend hardware: the CPU tests run the adapters through operators registered with
 torch.library under torch_npu's published schemas (tests/data/torch_npu_schemas.json) and through a plain-Python
-double (tests/npu_double.py); docs/backends-amd-npu.md says what each registration was checked against.
+double (tests/doubles/torch_npu.py); docs/backends-amd-npu.md says what each registration was checked against.
 
 The probe: torch_npu must import (inside a try: it needs the CANN toolkit) and ``torch.npu.is_available()`` must hold;
 feature detection (`api.detect`) reads each kernel's operator schema.

@@ -64,7 +64,7 @@ ROTARY_MAX_D = 896  # D < 896
 _FLOATS = (torch.bfloat16, torch.float16)
 _LAYOUTS_Q = ("BSND", "TND")
 _LAYOUTS_K = ("BSND", "TND", "PA_BSND")
-SCHEMAS = json.loads((Path(__file__).parent / "data" / "torch_npu_schemas.json").read_text())
+SCHEMAS = json.loads((Path(__file__).parents[1] / "data" / "torch_npu_schemas.json").read_text())
 
 
 def _fail(message: str):
