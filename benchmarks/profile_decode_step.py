@@ -19,7 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from dsa_indexer import ops
 from dsa_indexer.bench.report import TOPK
-from dsa_indexer.bench.suites import _decode_inputs, _step_inputs
+from dsa_indexer.bench.suites import _decode_inputs
+from dsa_indexer.testing import decode_step
 from dsa_indexer.config import IndexerConfig
 from dsa_indexer.indexer import Indexer
 
@@ -52,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     indexer = Indexer(IndexerConfig.deepseek_v32(), device=device).init_random(0)
-    x, q_lora, _quant, db, cache = _step_inputs(indexer, args.batch, args.context, device, seed=1)
+    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, args.batch, args.context, device, seed=1)
     step = kernel_table(lambda: indexer(x, q_lora, db.positions, db, cache), args.iters)
     li_args = _decode_inputs(args.batch, args.context, device, indexer.fp8_dtype)
     lightning = kernel_table(lambda: ops.lightning_indexer(*li_args, TOPK), args.iters)

@@ -7,28 +7,51 @@ import torch
 from . import ops
 from .batch import DecodeBatch
 from .contract.cache import PAGE_SIZE, IndexKCache, page_views
+from .dispatch.platform import platform_of
 from .compressor import CompressorState
 from .config import IndexerConfig
 from .indexer import Indexer
 
 
-def random_cache(num_pages: int, device, fp8_dtype=torch.float8_e4m3fn, seed: int = 0) -> IndexKCache:
-    """A cache full of random finite fp8 keys with positive scales (what stored keys look like)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    cache = IndexKCache.allocate(num_pages, device, fp8_dtype)
+def random_cache(num_pages: int, device, fp8_dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0,
+                 layout: str = "paged64_fp8_e4m3"):
+    """An index-K cache of random finite keys with positive scales, generated on ``device`` in chunks (a
+    128 x 128K-token cache is 2 GiB: no host copy of it). ``layout``: the fp8 pages, or a plain layout (bf16 keys,
+    or int8 keys with fp16 scales) for the targets whose kernels read those."""
+    cache = IndexKCache.allocate(num_pages, device, fp8_dtype, layout)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if cache.is_plain:
+        for start in range(0, num_pages, 2048):
+            stop = min(num_pages, start + 2048)
+            values = torch.randn(stop - start, *cache.data.shape[1:], device=device, generator=gen)
+            if cache.scales is None:
+                cache.data[start:stop] = values.to(cache.data.dtype)
+            else:
+                cache.data[start:stop] = (values * 40).clamp(-127, 127).round().to(torch.int8)
+                cache.scales[start:stop] = (torch.rand(stop - start, *cache.scales.shape[1:], device=device,
+                                                       generator=gen) * 0.01 + 1e-3).to(torch.float16)
+        return cache
     keys, scales = page_views(cache.data, fp8_dtype)
-    keys.copy_((torch.randn(keys.shape, generator=gen) * 100).to(fp8_dtype))
-    scales.copy_(torch.rand(scales.shape, generator=gen) * 0.01 + 1e-3)
+    limit = torch.finfo(fp8_dtype).max
+    step = 2048
+    for start in range(0, num_pages, step):
+        stop = min(num_pages, start + step)
+        keys[start:stop] = (torch.randn(stop - start, *keys.shape[1:], device=device, generator=gen) * 100).clamp(
+            -limit, limit).to(fp8_dtype)
+        scales[start:stop] = torch.rand(stop - start, scales.shape[1], device=device, generator=gen) * 0.01 + 1e-3
     return cache
 
 
 def decode_step(cfg: IndexerConfig, indexer: Indexer, batch: int, context: int, device, seed: int = 0):
     """(x, q_lora, q_lora_quant, DecodeBatch, cache, compressor_state) of one synthetic decode step over
-    ``context`` tokens; the compressor state (C4 only, else None) is fresh: the step pools its own tokens."""
+    ``context`` tokens, every request alike; the cache has the layout the target's platform stores (what
+    `Indexer.allocate_cache` picks); the compressor state (C4 only, else None) is fresh: the step pools its own
+    tokens. ``q_lora_quant`` is what attention hands over (RMSNorm + fp8 quant of a random q_a)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     keys = context // cfg.compress_ratio + 1
     pages = -(-keys // PAGE_SIZE)
-    cache = random_cache(batch * pages, device, indexer.fp8_dtype, seed)
+    layout = platform_of(indexer.target.vendor).cache_layout(cfg.compress_ratio)
+    cache = random_cache(batch * pages, device, indexer.fp8_dtype, seed, layout=layout)
     table = torch.randperm(batch * pages, generator=gen).to(torch.int32).view(batch, pages)
     db = DecodeBatch.build([context] * batch, table, num_cache_pages=batch * pages, device=device,
                            compress_ratio=cfg.compress_ratio)

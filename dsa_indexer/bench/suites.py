@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import ops
-from ..dispatch.platform import platform_of
+from ..testing import decode_step, random_cache, real_decode_logits
 from ..dispatch.plugins import default_registry
 from ..dispatch.target import Target, detect_target
 from .progress import progress_factory
@@ -50,37 +50,6 @@ def pipeline_variant(impl_id: str, reuse: bool, registered: Sequence[str] = ()) 
 
 
 # --- inputs --------------------------------------------------------------------------------------------------------
-def random_cache(num_pages: int, device: torch.device, fp8_dtype: torch.dtype, seed: int = 0,
-                 layout: str = "paged64_fp8_e4m3"):
-    """An index-K cache of random finite keys with positive scales, generated on ``device`` in chunks (a
-    128 x 128K-token cache is 2 GiB: no host copy of it). ``layout``: the fp8 pages, or a plain layout (bf16 keys,
-    or int8 keys with fp16 scales) for the targets whose kernels read those."""
-    from ..contract.cache import IndexKCache, page_views
-
-    cache = IndexKCache.allocate(num_pages, device, fp8_dtype, layout)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if cache.is_plain:
-        for start in range(0, num_pages, 2048):
-            stop = min(num_pages, start + 2048)
-            values = torch.randn(stop - start, *cache.data.shape[1:], device=device, generator=gen)
-            if cache.scales is None:
-                cache.data[start:stop] = values.to(cache.data.dtype)
-            else:
-                cache.data[start:stop] = (values * 40).clamp(-127, 127).round().to(torch.int8)
-                cache.scales[start:stop] = (torch.rand(stop - start, *cache.scales.shape[1:], device=device,
-                                                       generator=gen) * 0.01 + 1e-3).to(torch.float16)
-        return cache
-    keys, scales = page_views(cache.data, fp8_dtype)
-    limit = torch.finfo(fp8_dtype).max
-    step = 2048
-    for start in range(0, num_pages, step):
-        stop = min(num_pages, start + step)
-        keys[start:stop] = (torch.randn(stop - start, *keys.shape[1:], device=device, generator=gen) * 100).clamp(
-            -limit, limit).to(fp8_dtype)
-        scales[start:stop] = torch.rand(stop - start, scales.shape[1], device=device, generator=gen) * 0.01 + 1e-3
-    return cache
-
-
 def _decode_inputs(batch: int, context: int, device: torch.device, fp8_dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     pages = -(-context // 64)
@@ -90,24 +59,6 @@ def _decode_inputs(batch: int, context: int, device: torch.device, fp8_dtype: to
     weights = torch.randn(batch, HEADS, generator=gen).to(device)
     lens = torch.full((batch, 1), context, dtype=torch.int32, device=device)
     return q, cache.data, weights, lens, table, context
-
-
-def _step_inputs(indexer, batch: int, context: int, device: torch.device, seed: int):
-    """(x, q_lora, q_lora_quant, DecodeBatch, cache) of one decode step: every request at ``context`` tokens."""
-    from ..batch import DecodeBatch
-
-    cfg = indexer.config
-    gen = torch.Generator().manual_seed(seed)
-    pages = -(-context // 64)
-    layout = platform_of(indexer.target.vendor).cache_layout(cfg.compress_ratio)  # what allocate_cache would pick
-    cache = random_cache(batch * pages, device, indexer.fp8_dtype, seed=seed, layout=layout)
-    table = torch.randperm(batch * pages, generator=gen).to(torch.int32).view(batch, pages)
-    db = DecodeBatch.build([context] * batch, table, num_cache_pages=batch * pages, device=device)
-    x = torch.randn(batch, cfg.hidden_size, generator=gen).to(device, torch.bfloat16)
-    q_a = (torch.randn(batch, cfg.q_lora_rank, generator=gen) * 2).to(device, torch.bfloat16)
-    norm_w = (torch.rand(cfg.q_lora_rank, generator=gen) + 0.5).to(device, torch.bfloat16)
-    q_lora, q_lora_quant = ops.rmsnorm_quant_fp8(q_a, norm_w, 1e-6)  # what attention hands over
-    return x, q_lora, q_lora_quant, db, cache
 
 
 # --- the suites ----------------------------------------------------------------------------------------------------
@@ -223,7 +174,8 @@ def step_floor_bytes(indexer, batch: int, context: int) -> int:
 def bench_decode_step(run: _Run, batch: int, context: int) -> None:
     """One V3.2 indexer decode step per accepted pipeline strategy, without and with q_lora reuse."""
     indexer = run.indexer()
-    x, q_lora, quant, db, cache = _step_inputs(indexer, batch, context, run.device, seed=batch * 7 + context)
+    x, q_lora, quant, db, cache, _ = decode_step(indexer.config, indexer, batch, context, run.device,
+                                                 seed=batch * 7 + context)
     floor = step_floor_bytes(indexer, batch, context)
     registered = [i.impl_id for i in default_registry().implementations(PIPELINE)]
     shape = {"batch": batch, "context": context}
@@ -274,7 +226,6 @@ def bench_topk(run: _Run, batch: int, context: int) -> None:
     """Top-k on real decode logits (keys through the V3.2 indexer's k path, queries through its q path, the
     registry's paged logits: `testing.real_decode_logits`), the distribution the engines' kernels are compared on;
     randn rows select differently (no long tail of near-zero ReLU sums)."""
-    from ..testing import real_decode_logits
 
     logits = real_decode_logits(batch, context, run.device, seed=1, indexer=run.indexer())[0].contiguous()
     ends = torch.full((batch,), context, dtype=torch.int32, device=run.device)
