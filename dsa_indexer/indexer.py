@@ -24,7 +24,8 @@ from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.registry import Resolution
 from .dispatch.target import Target, detect_target
-from .pipeline import PIPELINE_OP, STEPS, k_path, k_path_plain
+from .contract.specs import PIPELINE_OP
+from .pipeline import STEPS, k_path, k_path_plain
 from .plan import LayerWeights, StepPlan
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table

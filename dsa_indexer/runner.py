@@ -39,7 +39,7 @@ from .dispatch.target import Target, detect_target
 from .indexer import Indexer
 from . import ops
 from .ops import OPS
-from .pipeline import PIPELINE_OP
+from .contract.specs import PIPELINE_OP
 
 
 @dataclass

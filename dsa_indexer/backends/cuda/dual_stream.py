@@ -46,7 +46,7 @@ from ...contract.cache import LAYOUT_PAGED64
 from ...envflags import EnvironmentFlagError, env_flag
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
-from ...ops import PIPELINE_OP
+from ...contract.specs import PIPELINE_OP
 
 log = logging.getLogger("dsa_indexer")
 

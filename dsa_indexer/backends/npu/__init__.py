@@ -31,7 +31,7 @@ from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 from ...dispatch.vendor import VendorLibrary
-from ...ops import PIPELINE_OP
+from ...contract.specs import PIPELINE_OP
 from . import api as npu_api
 
 __all__ = ["LIBRARY", "MAX_K", "NPU_PRIORITY", "UNREGISTERED", "torch_npu_probe"]
