@@ -1,7 +1,7 @@
 """Render the tables of docs/performance.md from the committed JSON, so the doc cannot drift from its data.
 
     python benchmarks/render_performance_tables.py          # rewrite the generated blocks in place
-    python benchmarks/render_performance_tables.py --check  # exit 1 if the doc differs (tests/test_readme.py)
+    python benchmarks/render_performance_tables.py --check  # exit 1 if the doc differs (tests/cli/test_readme.py)
 
 A generated block sits between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; NAME picks the renderer.
 """

@@ -1,12 +1,16 @@
 """dsa_indexer.integrations.transformers on the GPU: the CPU suite's generate() checks against transformers' own
-indexer (tests/test_transformers_integration.py), with the model and the swapped indexers on CUDA, so the
+indexer (tests/model/test_transformers_integration.py), with the model and the swapped indexers on CUDA, so the
 accelerated implementations (Triton / CUDA logits and top-k) run inside transformers' generate(). 64 index heads: the
 Triton logits take 32, 64 or 128 (with 16, the H200 run of 2026-12-01 fell back to the reference, with its warning)."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="transformers (the 'transformers' extra) is not installed")
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))  # the CPU suite's helpers (tests/model/)
 
 from test_transformers_integration import (AGREEMENT, generate, prompts, record_against_hf, tiny_v4,  # noqa: E402
                                            tiny_v32, v4_agreement, v32_agreement)

@@ -13,7 +13,7 @@ not covered.)
 
 The int8 path quantizes the bf16-rounded rotated values (``npu_dynamic_quant`` takes fp16 / bf16) and keeps the scale
 in fp16, as the kernels take it; the reference quantizes the fp32 values with the fp16-rounded scale, so the two may
-differ by about 1.5 int8 steps (bf16 rounding moves a value by up to 0.25 of a step; tests/test_npu_backend.py bounds
+differ by about 1.5 int8 steps (bf16 rounding moves a value by up to 0.25 of a step; tests/backends/test_npu_backend.py bounds
 it).
 
 NaN: the stored keys are checked finite on the host before the scatter (`lightning.require_finite`), naming ``k``

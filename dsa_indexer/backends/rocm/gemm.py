@@ -14,7 +14,7 @@ hipcc at the first call when not prebuilt; the probe turns this implementation o
 (aiter_api.module_prebuilt), so no call hides a minutes-long build.
 
 HIP/CK only: never run here. The adapter's argument marshalling is tested against a double written from that
-signature (tests/test_rocm_npu_backends_cpu.py).
+signature (tests/backends/test_rocm_npu_backends_cpu.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A test vendor, "acme", added in one folder without touching dsa_indexer: its platform and its backend.
 
 A real vendor ships this as a package with two entry points (``dsa_indexer.platforms`` -> ``platform:PLATFORM``,
-``dsa_indexer.backends`` -> this module); `tests/test_plugins.py` registers both by hand so that CI needs no
+``dsa_indexer.backends`` -> this module); `tests/dispatch/test_plugins.py` registers both by hand so that CI needs no
 extra install. The backend serves the vendor's own arch with a top-k (the example plugin's algorithm).
 """
 

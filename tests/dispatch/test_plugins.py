@@ -135,7 +135,7 @@ def test_a_new_vendor_is_one_folder_a_platform_and_a_backend(monkeypatch):
     from dsa_indexer.dispatch import parse_target, register_platform
     from dsa_indexer.dispatch.platform import unregister_platform
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins" / "acme_vendor"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "plugins" / "acme_vendor"))
     import dsa_indexer_acme
     from dsa_indexer_acme.platform import PLATFORM
 

@@ -7,7 +7,7 @@ What runs here for real: schema-based detection, the NPU registrations and their
 calls bound by the published schemas (TND queries, PA_BSND keys, cumulative int32 query lengths, token key lengths),
 the plain cache layouts and their store, `Indexer.forward` for prefill (with a prefix, bounded into chunks), decode
 and speculative decode, V4 on npu (its C4 indexer refused, its prologues on the NPU ops), and
-`dsa-indexer run --target npu`. tests/test_npu_schemas.py covers each release's schemas, refusals, the RoPE limits
+`dsa-indexer run --target npu`. tests/backends/test_npu_schemas.py covers each release's schemas, refusals, the RoPE limits
 and the NaN rule.
 
 Near-tie rule for comparing with the reference: the double and the reference compute the same fp32 scores from the

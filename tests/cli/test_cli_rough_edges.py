@@ -22,7 +22,7 @@ from dsa_indexer.dispatch.environment import Environment
 from dsa_indexer.dispatch.plugins import default_registry, hookimpl, load_plugins
 from dsa_indexer.dispatch.registry import Registry
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 TINY = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=1024,
                      yarn=None)
 

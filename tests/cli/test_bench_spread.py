@@ -11,7 +11,7 @@ import torch
 from dsa_indexer import bench
 from dsa_indexer.cli import main
 
-SAVED_H200 = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_h200.json"
+SAVED_H200 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_h200.json"
 SMALL = ["--device", "cpu", "--batch", "1", "--context", "256", "--progress", "none"]
 
 

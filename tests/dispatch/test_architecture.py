@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parents[1] / "dsa_indexer"
+PACKAGE = Path(__file__).parents[2] / "dsa_indexer"
 
 
 def _modules() -> dict[str, Path]:

@@ -44,7 +44,7 @@ WITH_AITER = Environment.simulated(gpu=True, triton=True, aiter=True)
 WITHOUT_AITER = Environment.simulated(gpu=True, triton=True, aiter="aiter is not installed (simulated)")
 RAGGED = dict(heads=64, dim=128)
 TOPK = dict(k=2048, slots=False, starts=False)
-AITER_PKG = Path(os.environ.get("DSA_AITER_PKG", Path(__file__).parents[1] / ".deps" / "aiter_pkg"))
+AITER_PKG = Path(os.environ.get("DSA_AITER_PKG", Path(__file__).parents[2] / ".deps" / "aiter_pkg"))
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_paged_self_test_catches_the_gluon_route_and_passes_the_kernel_launch(mo
         paged.check_paged_adapter(old_adapter, "cpu", heads=16)
 
 
-@pytest.mark.skipif(not (Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[1] / ".deps" /
+@pytest.mark.skipif(not (Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[2] / ".deps" /
                                              "aiter_head_pkg")) / "aiter").is_dir(),
                     reason="the newest aiter's Python package is not at .deps/aiter_head_pkg (set DSA_AITER_HEAD_PKG)")
 def test_paged_adapter_over_aiters_real_block_kernel(device):
@@ -291,7 +291,7 @@ def test_paged_adapter_over_aiters_real_block_kernel(device):
     from dsa_indexer.backends.rocm import paged
     from dsa_indexer.testing import random_cache
 
-    head = Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[1] / ".deps" / "aiter_head_pkg"))
+    head = Path(os.environ.get("DSA_AITER_HEAD_PKG", Path(__file__).parents[2] / ".deps" / "aiter_head_pkg"))
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     with _aiter_shim(head):
         fn = paged.make_paged_mqa_logits("kernel")
@@ -342,7 +342,7 @@ def test_detected_api_decides_availability(registry, monkeypatch):
 @pytest.mark.parametrize("torch_npu", [True, False])
 def test_npu_resolves_the_fp8_ops_to_the_reference_with_reasons(registry, torch_npu):
     """The fp8 ops (the 132-byte pages) have no torch_npu kernel: reference (or the generic composition), each
-    accelerated candidate saying why, and a fallback. The plain-layout ops: tests/test_npu_backend.py."""
+    accelerated candidate saying why, and a fallback. The plain-layout ops: tests/backends/test_npu_backend.py."""
     env = Environment.simulated(gpu=True, triton=True, torch_npu=torch_npu, aiter=True)
     plain = {"q_prologue_plain", "k_prologue_store_plain", "lightning_indexer_ragged", "indexer_pipeline"}
     for op in sorted(set(registry.ops()) - plain):

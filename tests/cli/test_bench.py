@@ -13,7 +13,7 @@ from dsa_indexer import bench
 from dsa_indexer.cli import main
 from dsa_indexer.dispatch.plugins import default_registry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = ["--device", "cpu"]  # these tests are about the CPU run, also on a machine with a GPU
 SMALL = [*CPU, "--batch", "1", "--context", "256", "--repeats", "1", "--progress", "none"]
 
@@ -65,7 +65,7 @@ def test_every_accepted_pipeline_strategy_is_forced_and_named(capsys):
         return dual_stand_in
 
     registry.implementation("indexer_pipeline", impl_id="indexer_pipeline.test.dual_stream", targets=("cpu",),
-                            priority=7, origin="tests/test_bench.py")(factory)
+                            priority=7, origin="tests/cli/test_bench.py")(factory)
     try:
         code, data, _ = _json_run(capsys, "--suite", "decode", *SMALL)
     finally:
@@ -245,7 +245,7 @@ def test_the_benchmark_scripts_are_thin_callers_of_the_command(tmp_path, monkeyp
 
 def test_a_saved_report_renders_again_without_measuring(tmp_path, capsys):
     """--from-json: the committed H200 report gives its table (and plots where matplotlib is) with no measurement."""
-    saved = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench_h200.json"
+    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_h200.json"
     assert main(["bench", "--from-json", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "topk_indices.cuda.radix" in out and "ragged_mqa_logits.cuda.deepgemm" in out
