@@ -89,6 +89,15 @@ class CompressionStep:
     compress_rows: torch.Tensor  # [E] int64 rows whose position completes an entry ((p + 1) % 4 == 0)
     entry_slots: torch.Tensor  # [T] int64 cache slot of the entry a row completes, -1 for other rows
 
+    def rows(self, start: int, stop: int) -> "CompressionStep":
+        """The step of rows [start, stop) alone, on the same state: steps over consecutive blocks of rows, run in
+        order, pool and store exactly what the whole step does (each block's windows read the rows before it from
+        the state the previous block rolled forward), with the projection held for one block only."""
+        keep = (self.compress_rows >= start) & (self.compress_rows < stop)
+        return CompressionStep(self.state, self.positions[start:stop], self.row_request[start:stop],
+                               self.state_slot[start:stop], self.compress_rows[keep] - start,
+                               self.entry_slots[start:stop])
+
 
 class Compressor(nn.Module):
     """The C4 indexer's key compressor of one layer (child ``compressor`` of a C4 `Indexer`)."""

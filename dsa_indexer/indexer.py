@@ -563,13 +563,12 @@ class Indexer(nn.Module):
 
     def _store_all_keys(self, plan: StepPlan, x, positions, key_store, cache: IndexKCache, chunks) -> None:
         """Every key of a bounded prefill's batch, before any scoring (a query sees the keys of the tokens before it
-        in the same batch): in the chunks' token blocks for V3.2; in one call for C4 (the compressor's window reads
-        earlier rows of the same step)."""
-        if self.compressor is None:
-            for start, stop, _, _ in chunks:
-                self._store(plan, x[start:stop], positions[start:stop], key_store[start:stop], cache)
-        else:
-            self._store(plan, x, positions, key_store, cache)
+        in the same batch), in the chunks' token blocks, in order: V3.2's rows each store their own key; C4's blocks
+        run the compressor's step block by block on the rolling state (`CompressionStep.rows`), so its fp32
+        projection (2 KiB per token at V4 size) is held for one block, not the whole batch."""
+        for start, stop, _, _ in chunks:
+            block = key_store.rows(start, stop) if self.compressor is not None else key_store[start:stop]
+            self._store(plan, x[start:stop], positions[start:stop], block, cache)
 
     def score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
                    ) -> torch.Tensor:
