@@ -214,8 +214,9 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
         raise v.IndexerInputError(f"max_context_len {max_context_len} exceeds the block table's capacity "
                                   f"{block_table.shape[1]} pages x {PAGE_SIZE} = {capacity}")
     v.in_range("context_lens", context_lens, 0, max_context_len + 1, "max_context_len")
-    v.used_pages_in_range("block_table", block_table, context_lens.max(dim=1).values, PAGE_SIZE, kv_cache.shape[0],
-                          "cache pages, for the pages a context uses")
+    if v.ranges_checked(block_table):  # the reduction is a kernel launch of its own: only when the check runs
+        v.used_pages_in_range("block_table", block_table, context_lens.max(dim=1).values, PAGE_SIZE,
+                              kv_cache.shape[0], "cache pages, for the pages a context uses")
 
 def _check_request_runs(positions: torch.Tensor, row_request: torch.Tensor, state_slot: torch.Tensor) -> None:
     """The pooling's precondition: each request's (non-padding) rows are one consecutive run at consecutive
