@@ -10,7 +10,7 @@ other rows), it is listed in ``compress_rows``, and ``state_slot`` names the `Co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -98,7 +98,7 @@ def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
     return slots
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeBatch:
     """B requests x next_n query tokens (row = b * next_n + n). Tensors live on the compute device."""
 
@@ -115,14 +115,14 @@ class DecodeBatch:
     max_state_slot: int = -1  # host copy of state_slot.max(), checked against the state without a device sync
     max_page: int = -1  # the largest cache page the block table uses (host int; -1: unknown or none)
     last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints; checked at forward
+    # Host facts read on every call, taken once here. The batch is frozen: its host copies (max_page, last_position,
+    # these) describe its tensors, and rebinding a tensor would leave them describing another batch.
+    num_tokens: int = field(init=False, repr=False, compare=False)
+    batch_size: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.positions.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.block_table.shape[0]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", self.positions.shape[0])
+        object.__setattr__(self, "batch_size", self.block_table.shape[0])
 
     def request_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cu_seqlens_q [B + 1], seq_lens_k [B], block_table)`` for the plain-layout ragged indexer: request b

@@ -18,7 +18,7 @@ The ops that write and read these are ``k_prologue_store_plain`` and ``lightning
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -137,7 +137,7 @@ def _check_fp8(fp8_dtype: torch.dtype) -> None:
         raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, got {fp8_dtype}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class IndexKCache:
     """One layer's index-K cache. The library owns its allocation and its layout tag (`LAYOUTS`)."""
 
@@ -145,6 +145,11 @@ class IndexKCache:
     fp8_dtype: torch.dtype = torch.float8_e4m3fn  # the fp8 flavour of the fp8 layout (unused by the plain ones)
     layout: str = LAYOUT_PAGED64
     scales: torch.Tensor | None = None  # paged64_int8: fp16 [num_pages, 64, 1]; None otherwise
+    # Host facts every call reads, taken once: the cache is frozen (its tensors are written in place, never rebound),
+    # so they cannot go stale.
+    num_pages: int = field(init=False, repr=False, compare=False)
+    device: torch.device = field(init=False, repr=False, compare=False)
+    is_plain: bool = field(init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, num_pages: int, device: torch.device | str = "cpu",
@@ -167,6 +172,9 @@ class IndexKCache:
         _check_fp8(self.fp8_dtype)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        object.__setattr__(self, "num_pages", self.data.shape[0])
+        object.__setattr__(self, "device", self.data.device)
+        object.__setattr__(self, "is_plain", self.layout in PLAIN_LAYOUT_FORMATS)
         if self.layout == LAYOUT_PAGED64:
             check_kv_cache(self.data, "IndexKCache.data")
             if self.scales is not None:
@@ -184,10 +192,6 @@ class IndexKCache:
         """``"fp8"`` (the 132-byte pages), ``"bf16"`` or ``"int8"`` (the plain layouts)."""
         return PLAIN_LAYOUT_FORMATS.get(self.layout, "fp8")
 
-    @property
-    def is_plain(self) -> bool:
-        return self.layout in PLAIN_LAYOUT_FORMATS
-
     def scales_or_empty(self) -> torch.Tensor:
         """The int8 layout's scales, or an empty fp16 tensor (what the plain-layout ops take for bf16 keys)."""
         if self.scales is not None:
@@ -195,17 +199,9 @@ class IndexKCache:
         return self.data.new_empty(0, dtype=torch.float16)
 
     @property
-    def num_pages(self) -> int:
-        return self.data.shape[0]
-
-    @property
     def capacity(self) -> int:
         """Token slots in the cache."""
         return self.num_pages * PAGE_SIZE
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.is_plain:

@@ -61,6 +61,9 @@ class VendorLibrary:
     after_import: Callable[[ModuleType], str | None] = lambda module: None
     describe: Callable[[Any], str] = lambda api: str(api)
     catch_base_exceptions: bool = False
+    # A library this package builds from its own sources (the CUDA backend's nvcc-built kernels): ``load()`` builds
+    # or loads it in place of importing ``module`` (then only the library's name); there is nothing to install.
+    load: Callable[[], Any] | None = None
     needs_eager: bool = True  # the self-test syncs with the host: refuse to run it inside graph capture
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class VendorLibrary:
         return None if api is None else self.describe(api)
 
     def installed(self) -> bool:
-        if self.module in sys.modules:
+        if self.load is not None or self.module in sys.modules:
             return True
         try:
             return importlib.util.find_spec(self.module) is not None
@@ -104,11 +107,13 @@ class VendorLibrary:
             log.warning("dsa_indexer: %s", reason)
             return reason
         try:
-            module = importlib.import_module(name)
+            module = self.load() if self.load is not None else importlib.import_module(name)
             api = self.detect(module)
         except BaseException as exc:  # noqa: BLE001 - a broken build must not take the host down
             if isinstance(exc, KeyboardInterrupt) or not (self.catch_base_exceptions or isinstance(exc, Exception)):
                 raise
+            if self.load is not None:
+                return f"{name} failed to build or load ({type(exc).__name__}: {exc})"
             return f"{name} is installed but failed to import ({type(exc).__name__}: {exc})"
         reason = self.after_import(module) or self.usable(api)
         if reason is not None:

@@ -229,3 +229,43 @@ def test_flashinfer_ranks_below_the_cuda_and_triton_top_k():
     assert order.index("topk_indices.cuda.flashinfer") > order.index("topk_indices.triton.topk")
     res = _resolve("sm90", gpu=True, flashinfer=True)
     assert res.chosen.impl_id == "topk_indices.cuda.flashinfer"
+
+
+def _pretend_gpu(monkeypatch, capability=(9, 0)):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+@pytest.mark.parametrize("module", ["topk", "lightning_fused"])
+def test_the_jit_kernels_are_probed_on_the_shared_vendor_library_path(module, monkeypatch):
+    """The CUDA top-k and the fused lightning kernel go through `VendorLibrary` like every vendor library: no GPU,
+    the wrong arch, a failed nvcc build, a failing self-test and a passing one each give their verdict."""
+    import importlib
+
+    from dsa_indexer.dispatch.vendor import LIBRARIES, VendorLibrary
+
+    kernels = importlib.import_module(f"dsa_indexer.backends.cuda.{module}")
+    library = kernels.LIBRARY
+    assert isinstance(library, VendorLibrary) and LIBRARIES[library.module] is library and library.installed()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernels.probe() == "torch sees no CUDA device"
+    _pretend_gpu(monkeypatch, (12, 0))
+    assert "sm90 / sm100); this GPU is sm12x" in kernels.probe()
+    _pretend_gpu(monkeypatch)
+    def build_fails():
+        raise jit.CudaBuildError("no nvcc found (set CUDA_HOME)")
+
+    monkeypatch.setattr(library, "load", build_fails)
+    assert kernels.probe() == (f"{library.module} failed to build or load (CudaBuildError: no nvcc found "
+                               "(set CUDA_HOME))")
+    monkeypatch.setattr(library, "load", lambda: "built")
+    monkeypatch.setattr(kernels, "self_test", lambda device: (_ for _ in ()).throw(RuntimeError("row 3 differs")))
+    assert kernels.probe().endswith("self-test failed: row 3 differs")
+    seen = []
+    monkeypatch.setattr(kernels, "self_test", lambda device: seen.append(device))
+    assert kernels.probe() is None and seen == [torch.device("cuda", 0)]
+    assert library.description().startswith(f"{library.module} (nvcc-built")
+    library.reset()

@@ -23,6 +23,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...dispatch.vendor import VendorLibrary
 
 CACHE_ENV = "DSA_INDEXER_CACHE_DIR"
 CCBIN_ENV = "DSA_INDEXER_CCBIN"
@@ -118,3 +123,28 @@ def load(source: str, capability: tuple[int, int]) -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(build(source, capability)))
                 _loaded[key] = lib
     return lib
+
+
+def kernel_library(name: str, load: Callable[[tuple[int, int]], object], self_test: Callable[[torch.device], None],
+                   needs: str) -> VendorLibrary:
+    """The probe of one of this backend's nvcc-built kernels, on the one vendor-library path (`VendorLibrary`):
+    an NVIDIA sm90 / sm100 GPU -> ``load(capability)`` (builds at first use, else the cached library) -> the
+    kernel's ``self_test(device)`` against the reference -> a cached verdict. ``needs`` says why those archs."""
+
+    def device_check() -> str | None:
+        if torch.version.hip:
+            return f"{name} is NVIDIA-only and this torch is a ROCm build"
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device"
+        major, _ = torch.cuda.get_device_capability()
+        if major not in (9, 10):
+            return f"{name} uses {needs} (sm90 / sm100); this GPU is sm{major}x"
+        return None
+
+    def run_self_test(library, api, device: torch.device):
+        self_test(device)
+        return api
+
+    return VendorLibrary(module=name, install_hint="built from this package's csrc/ with nvcc at first use",
+                         device_check=device_check, load=lambda: load(torch.cuda.get_device_capability()),
+                         self_test=run_self_test, describe=lambda api: f"{name} (nvcc-built, cached in {cache_dir()})")

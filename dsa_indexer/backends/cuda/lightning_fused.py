@@ -186,26 +186,10 @@ def self_test(device: torch.device) -> None:
                                    "from the reference top-k over the kernel's own logits")
 
 
+LIBRARY = jit.kernel_library("the fused CUDA lightning indexer", _library, lambda device: self_test(device),
+                             needs="fp8 mma.sync and clusters")
+
+
 def probe() -> str | None:
     """None when the kernel builds (or is cached) for this GPU and passes its self-test, else the reason."""
-    if torch.version.hip:
-        return "the fused CUDA lightning indexer is NVIDIA-only and this torch is a ROCm build"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    if torch.cuda.is_current_stream_capturing():
-        return ("the fused CUDA lightning indexer was first resolved inside CUDA-graph capture, where it cannot be "
-                "built and self-tested; run the step once eagerly before capturing")
-    major, _ = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        return f"the fused CUDA lightning indexer uses fp8 mma.sync and clusters (sm90 / sm100); this GPU is sm{major}x"
-    try:
-        _library(torch.cuda.get_device_capability())
-    except jit.CudaBuildError as exc:
-        return f"fused lightning kernel not built: {exc}"
-    except OSError as exc:
-        return f"fused lightning kernel built but failed to load: {exc}"
-    try:
-        self_test(torch.device("cuda", torch.cuda.current_device()))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the reason
-        return f"fused lightning self-test failed: {type(exc).__name__}: {exc}"
-    return None
+    return LIBRARY.probe()

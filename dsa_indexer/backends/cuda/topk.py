@@ -306,27 +306,14 @@ def self_test(device: torch.device, topk=None) -> None:
                 raise RuntimeError(f"CUDA top-k self-test case {n} ({name}): row {bad} differs from the reference")
 
 
+def _load_libraries(capability: tuple[int, int]) -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    return _library(capability), _registers_library(capability)
+
+
+LIBRARY = jit.kernel_library("the CUDA top-k", _load_libraries, lambda device: self_test(device),
+                             needs="thread-block clusters tuned for")
+
+
 def probe() -> str | None:
-    """None when the kernel builds (or is cached) for this GPU and passes its self-test, else the reason."""
-    if torch.version.hip:
-        return "the CUDA C++ top-k is NVIDIA-only and this torch is a ROCm build"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    if torch.cuda.is_current_stream_capturing():
-        return ("the CUDA top-k was first resolved inside CUDA-graph capture, where it cannot be built and "
-                "self-tested; run the step once eagerly before capturing")
-    major, _ = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        return f"the CUDA top-k uses thread-block clusters tuned for sm90 / sm100; this GPU is sm{major}x"
-    try:
-        _library(torch.cuda.get_device_capability())
-        _registers_library(torch.cuda.get_device_capability())
-    except jit.CudaBuildError as exc:
-        return f"CUDA top-k kernel not built: {exc}"
-    except OSError as exc:
-        return f"CUDA top-k kernel built but failed to load: {exc}"
-    try:
-        self_test(torch.device("cuda", torch.cuda.current_device()))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the reason
-        return f"CUDA top-k self-test failed: {type(exc).__name__}: {exc}"
-    return None
+    """None when the kernels build (or are cached) for this GPU and pass their self-test, else the reason."""
+    return LIBRARY.probe()
