@@ -128,7 +128,7 @@ def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tup
         report["scoring_ms"] = f"not measured above {SCORING_ALONE_MAX_TOKENS} tokens (q of every row at once)"
         return report
     # Scoring alone over the same chunks: q for every row once, keys gathered once (as _score_planned does).
-    q_fp8, weights = indexer.steps.q_path(indexer, x, q_lora, batch.positions, None)
+    q_fp8, weights = (step := indexer.step_plan(tokens, False)).steps.q_path(step, x, q_lora, batch.positions, None)
     keys, scales = cache.gather(batch.gather_slots)
 
     def scoring(score):

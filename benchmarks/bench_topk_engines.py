@@ -58,11 +58,11 @@ def real_logits(batch: int, context: int, device: torch.device, seed: int = 0):
                 x = torch.randn(n, cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
                 pos = torch.arange(start, start + n, device=device)
                 slots = table[b].long()[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-                k_path(indexer, x, pos, slots, cache.data)
+                k_path(indexer.step_plan(n, False), x, pos, slots, cache.data)
         x = torch.randn(batch, cfg.hidden_size, generator=gen, device=device).to(torch.bfloat16)
         q_lora = torch.randn(batch, cfg.q_lora_rank, generator=gen, device=device).to(torch.bfloat16)
         positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
-        q_fp8, weights = q_path(indexer, x, q_lora, positions, None)
+        q_fp8, weights = q_path(indexer.step_plan(batch, True), x, q_lora, positions, None)
     q = q_fp8.view(batch, 1, cfg.n_heads, cfg.head_dim)
 
     def logits_for(ctx: int) -> torch.Tensor:

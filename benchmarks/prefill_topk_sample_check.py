@@ -42,8 +42,9 @@ def main() -> None:
     slots = torch.arange(tokens)
     keys, scales = cache.gather(table[0, slots // 64].long() * 64 + slots % 64)
     positions = torch.linspace(tokens // 2, tokens - 1, args.rows).long()
-    q, weights = indexer.steps.q_path(indexer, torch.randn(args.rows, cfg.hidden_size).to(torch.bfloat16),
-                                      torch.randn(args.rows, cfg.q_lora_rank).to(torch.bfloat16), positions, None)
+    step = indexer.step_plan(args.rows, False)
+    q, weights = step.steps.q_path(step, torch.randn(args.rows, cfg.hidden_size).to(torch.bfloat16),
+                                   torch.randn(args.rows, cfg.q_lora_rank).to(torch.bfloat16), positions, None)
     ends = (positions + 1).int()
     logits = ops.ragged_mqa_logits(q, keys, scales, weights, torch.zeros_like(ends), ends)
     target = min(2 * TOPK, (TOPK + CAPACITY) // 2)
