@@ -676,3 +676,50 @@ def test_capture_needs_a_cuda_cache():
         DecodeGraph.capture(indexer, IndexKCache.allocate(4), batch_size=2, max_context_len=128)
     with pytest.raises(IndexerInputError, match="warmup must be an int >= 1"):
         indexer.capture_decode(IndexKCache.allocate(4), 2, 128, warmup=0)
+
+
+def test_prefill_scoring_reads_deepgemms_padded_logits_without_a_copy(monkeypatch):
+    """`ragged_mqa_topk.cuda.deepgemm_radix`: the CUDA top-k (here the reference stands in for it: the CUDA
+    kernel runs in tests/gpu) gets DeepGEMM's padded-row view itself, with the windows [ks, ke), and selects what
+    the top-k of the contiguous logits selects. The fake pads each row with garbage, as DeepGEMM's stride may."""
+    from dsa_indexer.backends.cuda import lightning
+
+    mod = _fake_module("fp8_fp4")
+    api = dg_adapt.detect_api(mod)
+    real = getattr(mod, api.ragged_fn)
+
+    def padded_rows(*args, **kwargs):
+        out = real(*args, **kwargs)
+        wide = torch.full((out.shape[0], out.shape[1] + 28), 1e30)  # garbage a reader must never select
+        wide[:, :out.shape[1]] = out
+        return wide[:, :out.shape[1]]
+
+    setattr(mod, api.ragged_fn, padded_rows)
+    seen = []
+
+    def recording_topk(logits, k, ends, starts=None, *rest):
+        seen.append(logits)
+        return ref.topk_indices(logits, k, ends, starts, *rest)
+
+    monkeypatch.setattr(lightning, "topk_indices", recording_topk)
+    q, k, k_scales, weights, ks, ke = _ragged_problem(heads=64)
+    got = lightning.make_ragged_mqa_topk(mod, api)(q, k, k_scales, weights, ks, ke, 16)
+    want = ref.topk_indices(ref.ragged_mqa_logits(q, k, k_scales, weights, ks, ke), 16, ke, ks)
+    assert torch.equal(got, want)
+    assert not seen[0].is_contiguous() and seen[0].stride(0) == seen[0].shape[1] + 28
+
+
+def test_prefill_scoring_resolves_to_deepgemm_and_the_cuda_top_k_when_both_are_there():
+    registry = Registry()
+    load_plugins(registry)
+    problem = Problem(heads=64, dim=128, fp8="fn", k=2048)
+    both = Environment.simulated(gpu=True, triton=True, deep_gemm=True, cuda_jit=True)
+    res = registry.resolve("ragged_mqa_topk", SM90, problem, environment=both)
+    assert res.chosen.impl_id == "ragged_mqa_topk.cuda.deepgemm_radix"
+    no_jit = Environment.simulated(gpu=True, triton=True, deep_gemm=True, cuda_jit="no nvcc (simulated)")
+    res = registry.resolve("ragged_mqa_topk", SM90, problem, environment=no_jit)
+    assert res.chosen.impl_id == "ragged_mqa_topk.generic.composed"
+    res = registry.resolve("ragged_mqa_topk", SM90, Problem(heads=16, dim=128, fp8="fn", k=2048),
+                           environment=both)
+    verdict = next(c for c in res.candidates if c.impl.impl_id == "ragged_mqa_topk.cuda.deepgemm_radix")
+    assert not verdict.accepted and "heads" in verdict.reason

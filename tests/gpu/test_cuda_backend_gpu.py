@@ -251,6 +251,34 @@ def test_deepgemm_ragged_causal_logits_vs_reference(deep_gemm_api):
 
 
 @pytest.mark.deepgemm
+@pytest.mark.parametrize("k", [64, 2048])
+def test_prefill_scoring_on_the_padded_logits_equals_the_top_k_of_the_contiguous_ones(deep_gemm_api, k):
+    """`ragged_mqa_topk.cuda.deepgemm_radix` (no contiguous copy): the same index sets, in the same order, as the
+    reference top-k over DeepGEMM's own logits (exact: one set of logit values); every output written."""
+    from dsa_indexer.backends.cuda import lightning
+    from dsa_indexer.backends.cuda import topk as cuda_topk
+
+    reason = cuda_topk.probe()
+    if reason is not None:
+        pytest.skip(reason)
+    module, api = deep_gemm_api
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    s, n = 1500, 5000  # three requests with windows (ks > 0) and causal ends, rows shorter and longer than k
+    q, _ = ref.quant_fp8_groups(torch.randn(s, 64, 128, device="cuda", generator=gen), 128)
+    keys, k_scale = ref.quant_fp8_groups(torch.randn(n, 128, device="cuda", generator=gen), 128)
+    weights = torch.randn(s, 64, device="cuda", generator=gen)
+    request = torch.arange(s, device="cuda") // 500
+    ks = (request * 1500).to(torch.int32)
+    ke = (ks + 1000 + torch.arange(s, device="cuda") % 500 + 1).to(torch.int32)
+    args = (q, keys, k_scale.squeeze(-1), weights, ks, ke)
+    logits = dg_adapt.make_ragged_mqa_logits(module, api)(*args)
+    assert not logits.isnan().any()
+    got = lightning.make_ragged_mqa_topk(module, api)(*args, k)
+    want = ref.topk_indices(logits.cpu(), k, ke.cpu(), ks.cpu())
+    assert got.shape == (s, k) and torch.equal(torch.sort(got.cpu(), dim=1).values, torch.sort(want, dim=1).values)
+
+
+@pytest.mark.deepgemm
 @pytest.mark.parametrize("m", [1, 64, 1000])
 def test_deepgemm_gemm_vs_reference(indexer, deep_gemm_api, m):
     module, api = deep_gemm_api

@@ -155,6 +155,15 @@ def _topk_factory():
     return topk_indices
 
 
+def _ragged_topk_factory():
+    import deep_gemm
+
+    from . import deepgemm
+    from .lightning import make_ragged_mqa_topk
+
+    return make_ragged_mqa_topk(deep_gemm, deepgemm.api_for(deep_gemm))
+
+
 def _lightning_factory():
     import deep_gemm
 
@@ -200,6 +209,11 @@ def dsa_indexer_register(registry: Registry) -> None:
                             available=_lightning_available, capabilities=PAGED_CAPS,  # its logits half
                             description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k"
                             )(_lightning_factory)
+    registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.cuda.deepgemm_radix",
+                            targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
+                            available=_available("ragged_mqa_logits"), capabilities=LOGITS_CAPS,
+                            description="DeepGEMM ragged logits read in their padded rows by the CUDA top-k (no "
+                                        "contiguous copy of the logits)")(_ragged_topk_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.fused", targets=JIT_TARGETS,
                             priority=FUSED_LIGHTNING_PRIORITY, requires=("gpu", "cuda_jit"),
                             capabilities=FUSED_LIGHTNING_CAPS,

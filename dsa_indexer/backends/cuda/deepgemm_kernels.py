@@ -239,8 +239,11 @@ def make_ragged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...
     # max_seqlen_k stays at its default 0: a positive value switches DeepGEMM to logits indexed from ks (a
     # different contract).
 
-    def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    def padded(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+               ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+        """The logits as DeepGEMM returns them: a view whose rows may be padded (row stride >= N, unit column
+        stride). A consumer that takes a row stride (the CUDA top-k) reads it as it is; at a 128K-token prefill
+        the contiguous copy costs a second pass over the chunk's logits and a second chunk-sized buffer."""
         q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
         logits = kernel(q_arg, (k.contiguous(), k_scales.contiguous()), weights.contiguous(), ks.contiguous(),
                         ke.contiguous(), **extra)
@@ -248,8 +251,13 @@ def make_ragged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...
             cols = torch.arange(logits.shape[1], device=logits.device)
             outside = (cols[None, :] < ks.long()[:, None]) | (cols[None, :] >= ke.long()[:, None])
             logits = logits.masked_fill(outside, float("-inf"))
-        return logits.contiguous()
+        return logits
 
+    def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+        return padded(q, k, k_scales, weights, ks, ke).contiguous()  # the op's contract: a contiguous [S, N]
+
+    ragged_mqa_logits.padded = padded  # type: ignore[attr-defined]
     ragged_mqa_logits.api = api  # type: ignore[attr-defined]
     return ragged_mqa_logits
 

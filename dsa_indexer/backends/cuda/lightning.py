@@ -1,4 +1,5 @@
-"""``lightning_indexer`` on sm90 / sm100: DeepGEMM's paged logits feeding the CUDA top-k on one schedule.
+"""``lightning_indexer`` (decode) and ``ragged_mqa_topk`` (prefill) on sm90 / sm100: DeepGEMM's logits feeding the
+CUDA top-k, the logits consumed as DeepGEMM leaves them.
 
 Against the generic composition (paged_mqa_logits op, then topk_indices op) this drops two launches per layer:
 - no -inf mask over the logits' tail: the top-k reads only columns [0, context_lens[row]) of each row, so the
@@ -16,6 +17,7 @@ from typing import Callable
 import torch
 
 from .deepgemm import DeepGemmApi, make_paged_mqa_logits, step_memo
+from .deepgemm_kernels import make_ragged_mqa_logits
 from .topk import topk_indices
 
 
@@ -42,3 +44,18 @@ def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[...
 
     lightning_indexer.api = api  # type: ignore[attr-defined]
     return lightning_indexer
+
+
+def make_ragged_mqa_topk(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    """A prefill chunk's scoring: DeepGEMM's ragged logits (masked outside [ks, ke) by DeepGEMM) read in their
+    padded rows by the CUDA top-k within the same windows. Against the composition this drops the contiguous
+    copy of the [rows, keys] fp32 logits (H200, 128K-token V3.2 layer: 27 of 203 ms, and a second
+    chunk-sized buffer; `benchmarks/results/profile_prefill_h200.json`)."""
+    padded = make_ragged_mqa_logits(module, api).padded  # type: ignore[attr-defined]
+
+    def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                        ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
+        return topk_indices(padded(q, k, k_scales, weights, ks, ke), topk, ke, ks)
+
+    ragged_mqa_topk.api = api  # type: ignore[attr-defined]
+    return ragged_mqa_topk
