@@ -199,8 +199,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         run["wall_s"] = time.perf_counter() - started
         results["runs"].append(run)
-        short = {key: run[key] for key in ("model", "tokens", "chunks", "layer_chunks", "plan_ms", "plan_ms_median_of_5", "layer_ms",
-                                           "layer_peak_GiB", "scoring_ms", "scoring_over_logits", "wall_s")
+        short = {key: run[key] for key in ("model", "tokens", "chunks", "layer_chunks", "plan_ms", "plan_ms_median_of_5",
+                                           "layer_ms", "layer_peak_GiB", "scoring_ms", "scoring_over_logits", "wall_s")
                  if key in run}
         print(json.dumps(short, separators=(",", ":")), flush=True)
         if args.json:
