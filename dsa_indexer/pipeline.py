@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import CompressionStep
-from .contract.cache import LAYOUT_PAGED64, IndexKCache
+from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 from .contract.specs import PIPELINE_OP
 from .plan import StepPlan
@@ -49,16 +49,12 @@ def project_x(plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """``(weights_proj(x) [T, H], wk(x) [T, D] or None)``: one GEMM over the concatenated weight
     (`LayerWeights.x_projection`) when the two are fusable (both in the activation dtype), so a decode step
     launches one skinny GEMM (and its split-K reduce) instead of two; both results are then column views of that
-    GEMM's output. An fp32 weights_proj with a wk in the activation dtype (V3.2's recipe) runs the `x_projections`
-    op: both from one read of x (on a GPU two Triton launches instead of a cast of x, two cuBLAS GEMMs and their two
-    split-K reduces). A block-fp8 wk runs its own GEMM (`project_head_weights`, `project_k`)."""
+    GEMM's output. A block-fp8 wk or an fp32 weights_proj runs its own GEMM (`project_head_weights`, `project_k`)."""
     w = plan.weights
     if w.x_projection is not None:
         out = F.linear(x, w.x_projection)
         heads = plan.config.n_heads
         return out[:, :heads], out[:, heads:]
-    if w.wk is not None and plan.wk_layout is None and w.weights_proj.dtype == torch.float32:
-        return plan.run("x_projections", "x_projections", x, w.weights_proj, w.wk)
     return project_head_weights(plan, x), project_k(plan, x) if w.wk is not None else None
 
 
@@ -191,14 +187,17 @@ STEPS = PipelineSteps()
 
 
 def fp8_cache_only(problem, target) -> str | None:
-    """The `supports` check of strategies that write the fp8 132-byte pages (``problem.cache`` is the layout)."""
+    """The `supports` check of strategies that write the uint8 pages ``k_path`` stores into: the fp8 132-byte ones,
+    or V4's FP4 68-byte ones (the compressor writes either) (``problem.cache`` is the layout)."""
     layout = problem.get("cache", LAYOUT_PAGED64)
-    return None if layout == LAYOUT_PAGED64 else f"writes the {LAYOUT_PAGED64} cache, not {layout}"
+    if layout in (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4):
+        return None
+    return f"writes the {LAYOUT_PAGED64} or {LAYOUT_PAGED64_FP4} cache, not {layout}"
 
 
 def plain_cache_only(problem, target) -> str | None:
     layout = problem.get("cache", LAYOUT_PAGED64)
-    return None if layout != LAYOUT_PAGED64 else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
+    return None if layout in PLAIN_LAYOUT_FORMATS else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
 
 
 def register_single_stream(registry) -> None:
