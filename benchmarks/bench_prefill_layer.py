@@ -40,13 +40,28 @@ OP = "ragged_mqa_topk"
 SCORING_ALONE_MAX_TOKENS = 262144
 
 
-def _timed(fn, repeats: int, warmup: bool) -> tuple[float, float, object]:
-    """(median ms, peak GiB above what was allocated before the first call, the last call's result)."""
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def _allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(name, -1)) for name in ALLOCATOR_COUNTS}
+
+
+def _timed(fn, repeats: int, warmup: bool, extra: dict | None = None) -> tuple[float, float, object]:
+    """(median ms, peak GiB above what was allocated before the first call, the last call's result). ``extra``
+    (when given) receives the warm-up call's ms and the caching allocator's cudaMalloc / cudaFree / retry counts
+    during the timed calls (a first call that grows the allocator pays for it)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if warmup:
+        started = time.perf_counter()
         fn()
+        torch.cuda.synchronize()
+        if extra is not None:
+            extra["warmup_ms"] = (time.perf_counter() - started) * 1e3
+    before = _allocator_counts()
     times, result = [], None
     for _ in range(repeats):
         result = None  # free the previous output: it is not part of the next call's peak
@@ -57,6 +72,9 @@ def _timed(fn, repeats: int, warmup: bool) -> tuple[float, float, object]:
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
+    if extra is not None:
+        after = _allocator_counts()
+        extra["allocator_during_timed_calls"] = {name: after[name] - before[name] for name in ALLOCATOR_COUNTS}
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30, result
 
 
@@ -88,6 +106,12 @@ def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tup
     t0 = time.perf_counter()
     plan = batch.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())
     plan_ms = (time.perf_counter() - t0) * 1e3
+    fresh = []  # the host's noise: four more first-time plans (budgets 1-4 bytes larger, so none is the cached one)
+    for extra in range(1, 5):
+        t0 = time.perf_counter()
+        batch.plan_chunks(indexer.logits_budget_bytes + extra, indexer.q_path_bytes_per_row())
+        fresh.append((time.perf_counter() - t0) * 1e3)
+    plan_ms_median = statistics.median([plan_ms, *fresh])
     t0 = time.perf_counter()
     batch.plan_chunks(indexer.logits_budget_bytes, indexer.q_path_bytes_per_row())
     plan_cached_ms = (time.perf_counter() - t0) * 1e3
@@ -104,6 +128,7 @@ def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tup
     report = {"model": cfg.name, "tokens": tokens, "keys": tokens // ratio, "topk": cfg.topk, "chunks": len(plan),
               "budget_GiB": indexer.logits_budget_bytes / 2**30,
               "output_GiB": tokens * cfg.topk * 4 / 2**30, "build_ms": build_ms, "plan_ms": plan_ms,
+              "plan_ms_median_of_5": plan_ms_median,
               "plan_cached_ms": plan_cached_ms, "implementations": impls, "logits_impl": logits_impl,
               "layer_ms": {}, "layer_peak_GiB": {},
               "scoring_ms": {}, "scoring_peak_GiB": {}}
@@ -116,8 +141,10 @@ def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tup
         try:
             report["layer_chunks"][impl] = len(batch.plan_chunks(indexer.logits_budget_bytes,
                                                                  *indexer.scoring_plan_bytes()))
+            report.setdefault("layer_timing", {})[impl] = timing = {}
             report["layer_ms"][impl], report["layer_peak_GiB"][impl], outputs[impl] = _timed(
-                lambda: indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state), repeats, warmup)
+                lambda: indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state), repeats, warmup,
+                timing)
         finally:
             registry.force(OP, None)
     if len(outputs) > 1:
@@ -174,6 +201,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=("v32", "v4"), default="v32",
                         help="v32: DeepSeek-V3.2 (top-2048); v4: V4-Flash's C4 indexer (top-512, keys = tokens / 4)")
     parser.add_argument("--only", default="", help="comma-separated parts of implementation ids to run (all: '')")
+    parser.add_argument("--once-warm", action="store_true",
+                        help="give the --once sizes one untimed warm-up call first (its time is reported)")
     parser.add_argument("--once-only", default="composed",
                         help="like --only, for the --once sizes (default: the composition alone)")
     args = parser.parse_args(argv)
@@ -185,15 +214,16 @@ def main(argv=None) -> int:
     only = tuple(part for part in args.only.split(",") if part)
     once_only = tuple(part for part in args.once_only.split(",") if part)
     sizes = [(int(t), args.repeats, True, only) for t in args.tokens.split(",") if t]
-    sizes += [(int(t), 1, False, once_only) for t in args.once.split(",") if t]
+    sizes += [(int(t), 1, args.once_warm, once_only) for t in args.once.split(",") if t]
     for tokens, repeats, warmup, parts in sizes:
         started = time.perf_counter()
         run = bench(tokens, repeats, warmup, args.model, parts)
         torch.cuda.empty_cache()
         run["wall_s"] = time.perf_counter() - started
         results["runs"].append(run)
-        short = {key: run[key] for key in ("model", "tokens", "chunks", "layer_chunks", "plan_ms", "layer_ms",
-                                           "layer_peak_GiB", "scoring_ms", "scoring_over_logits", "wall_s")
+        short = {key: run[key] for key in ("model", "tokens", "chunks", "layer_chunks", "plan_ms", "plan_ms_median_of_5",
+                                           "layer_ms", "layer_timing", "layer_peak_GiB", "scoring_ms", "scoring_over_logits",
+                                           "wall_s")
                  if key in run}
         print(json.dumps(short, separators=(",", ":")), flush=True)
         if args.json:

@@ -5,7 +5,11 @@ batch built before the timed region), run eagerly ``--iters`` times after a warm
 time is divided by ``--iters`` (us per step). Eager launches add host gaps that a CUDA-graph replay does not
 have, so the sum of the kernels, not the wall time, is the number to compare with the bench.
 
-    python3 benchmarks/profile_decode_step.py --batch 32 --context 8192 [--json OUT.json]
+``--force OP=IMPL`` adds a variant of the step with that implementation forced (repeatable, each its own
+variant, profiled in the same process after the default one): e.g. the unchanged path of issue 23's x
+projections, ``--force x_projections=x_projections.reference.torch``. Several ``--batch`` values profile each.
+
+    python3 benchmarks/profile_decode_step.py --batch 32 --context 8192 [--force OP=IMPL] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsa_indexer import ops
+from dsa_indexer import default_registry, ops
 from dsa_indexer.bench.report import TOPK
 from dsa_indexer.bench.suites import _decode_inputs
 from dsa_indexer.testing import decode_step
@@ -44,30 +48,58 @@ def kernel_table(fn, iters: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"{title}: {sum(r['us_per_step'] for r in rows):.1f} us of kernels, "
+          f"{sum(r['launches_per_step'] for r in rows):.0f} launches")
+    for r in rows:
+        print(f"  {r['us_per_step']:7.2f} us  x{r['launches_per_step']:.0f}  {r['kernel'][:110]}")
+
+
+def profile_batch(indexer: Indexer, batch: int, context: int, iters: int, variants: dict[str, str | None]) -> dict:
+    """The step's kernel table per variant (default, then each forced implementation) and lightning_indexer's."""
+    device = torch.device("cuda")
+    registry = default_registry()
+    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, context, device, seed=1)
+    report: dict = {"batch": batch, "context": context, "iters": iters, "variants": {}}
+    for name, forced in variants.items():
+        op, impl = forced.split("=", 1) if forced else (None, None)
+        if op is not None:
+            registry.force(op, impl)
+        try:
+            rows = kernel_table(lambda: indexer(x, q_lora, db.positions, db, cache), iters)
+            pipeline = getattr(indexer.last_pipeline, "chosen", None) and indexer.last_pipeline.chosen.impl_id
+        finally:
+            if op is not None:
+                registry.force(op, None)
+        report["variants"][name] = {"forced": forced, "pipeline": pipeline, "step_kernels": rows,
+                                    "step_us": sum(r["us_per_step"] for r in rows),
+                                    "launches": sum(r["launches_per_step"] for r in rows)}
+        print_table(f"step [{name}] B={batch} ctx={context}", rows)
+    li_args = _decode_inputs(batch, context, device, indexer.fp8_dtype)
+    report["lightning_indexer_kernels"] = kernel_table(lambda: ops.lightning_indexer(*li_args, TOPK), iters)
+    print_table(f"lightning_indexer B={batch} ctx={context}", report["lightning_indexer_kernels"])
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, nargs="+", default=[32])
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--force", action="append", default=[], metavar="OP=IMPL",
+                        help="also profile the step with this implementation forced (repeatable)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    indexer = Indexer(IndexerConfig.deepseek_v32(), device=device).init_random(0)
-    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, args.batch, args.context, device, seed=1)
-    step = kernel_table(lambda: indexer(x, q_lora, db.positions, db, cache), args.iters)
-    li_args = _decode_inputs(args.batch, args.context, device, indexer.fp8_dtype)
-    lightning = kernel_table(lambda: ops.lightning_indexer(*li_args, TOPK), args.iters)
-    report = {"batch": args.batch, "context": args.context, "iters": args.iters,
-              "pipeline": getattr(indexer.last_pipeline, "chosen", None) and indexer.last_pipeline.chosen.impl_id,
-              "step_kernels": step, "lightning_indexer_kernels": lightning}
-    for title, rows in (("step", step), ("lightning_indexer", lightning)):
-        print(f"{title} B={args.batch} ctx={args.context}: {sum(r['us_per_step'] for r in rows):.1f} us of kernels, "
-              f"{sum(r['launches_per_step'] for r in rows):.0f} launches")
-        for r in rows:
-            print(f"  {r['us_per_step']:7.2f} us  x{r['launches_per_step']:.0f}  {r['kernel'][:110]}")
+    for forced in args.force:
+        if "=" not in forced:
+            parser.error(f"--force takes OP=IMPL, got {forced!r}")
+    indexer = Indexer(IndexerConfig.deepseek_v32(), device=torch.device("cuda")).init_random(0)
+    variants: dict[str, str | None] = {"default": None}
+    variants.update({f"forced {forced}": forced for forced in args.force})
+    reports = [profile_batch(indexer, batch, args.context, args.iters, variants) for batch in args.batch]
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+            json.dump({"profiles": reports}, fh, indent=1)
 
 
 if __name__ == "__main__":

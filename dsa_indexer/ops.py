@@ -658,3 +658,21 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
 
 
 OPS = tuple(OPERATORS)
+@declare("(Tensor x, Tensor weights_proj, Tensor wk) -> (Tensor, Tensor)",
+         facts={"hidden": "x.shape[1]", "heads": "weights_proj.shape[0]", "dim": "wk.shape[0]",
+                "head_proj": "str(weights_proj.dtype)"},
+         fake=lambda x, weights_proj, wk: (x.new_empty((x.shape[0], weights_proj.shape[0]), dtype=weights_proj.dtype),
+                                           x.new_empty((x.shape[0], wk.shape[0]))))
+def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor, *,
+                  target: Target | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """V3.2's two projections of x: ``(weights_proj(x) [T, H], wk(x) [T, D])``. x [T, hidden] in the activation
+    dtype; ``weights_proj`` [H, hidden] fp32 (the head weights computed in fp32 from x widened, as DeepSeek's code
+    runs them) or x's dtype; ``wk`` [D, hidden] in x's dtype (k out in x's dtype)."""
+    v.tensor("x", x, dtype=v.ACT_DTYPES, ndim=2)
+    hidden = x.shape[1]
+    v.tensor("weights_proj", weights_proj, dtype=tuple({torch.float32, x.dtype}), ndim=2, shape=(None, hidden),
+             device=x.device)
+    v.tensor("wk", wk, dtype=x.dtype, ndim=2, shape=(None, hidden), device=x.device)
+    return x, weights_proj, wk
+
+

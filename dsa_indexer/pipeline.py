@@ -49,12 +49,16 @@ def project_x(plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """``(weights_proj(x) [T, H], wk(x) [T, D] or None)``: one GEMM over the concatenated weight
     (`LayerWeights.x_projection`) when the two are fusable (both in the activation dtype), so a decode step
     launches one skinny GEMM (and its split-K reduce) instead of two; both results are then column views of that
-    GEMM's output. A block-fp8 wk or an fp32 weights_proj runs its own GEMM (`project_head_weights`, `project_k`)."""
+    GEMM's output. An fp32 weights_proj with a wk in the activation dtype (V3.2's recipe) runs the `x_projections`
+    op: both from one read of x (on a GPU two Triton launches instead of a cast of x, two cuBLAS GEMMs and their two
+    split-K reduces). A block-fp8 wk runs its own GEMM (`project_head_weights`, `project_k`)."""
     w = plan.weights
     if w.x_projection is not None:
         out = F.linear(x, w.x_projection)
         heads = plan.config.n_heads
         return out[:, :heads], out[:, heads:]
+    if w.wk is not None and plan.wk_layout is None and w.weights_proj.dtype == torch.float32:
+        return plan.run("x_projections", "x_projections", x, w.weights_proj, w.wk)
     return project_head_weights(plan, x), project_k(plan, x) if w.wk is not None else None
 
 

@@ -146,6 +146,12 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     return (a_deq @ (b.float() * b_full).t()).to(out_dtype)
 
 
+def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    head_in = x.float() if weights_proj.dtype == torch.float32 else x
+    return torch.nn.functional.linear(head_in, weights_proj), torch.nn.functional.linear(x, wk)
+
+
 def _weighted_relu_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_h w[t, h] * relu(q[t, h] . k[s]) for q [T, H, D] fp32, k [S, D] fp32, w [T, H] -> [T, S]."""
     scores = torch.einsum("thd,sd->ths", q, k).clamp_min_(0)

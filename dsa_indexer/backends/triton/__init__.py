@@ -30,6 +30,7 @@ KERNELS = {
     "q_prologue_fp4": ("prologue", "q_prologue_fp4"),  # V4's FP4 q: bit-identical to the butterfly-Hadamard recipe
     "k_prologue_store": ("prologue", "k_prologue_store"),
     "gemm_fp8_blockscale": ("gemm", "gemm_fp8_blockscale"),
+    "x_projections": ("xproj", "x_projections"),  # V3.2's fp32 weights_proj + bf16 wk: one read of x, 2 launches
     "ragged_mqa_logits": ("logits", "ragged_mqa_logits"),
     "paged_mqa_logits": ("logits", "paged_mqa_logits"),
     "topk_indices": ("topk", "topk_indices"),

@@ -1,0 +1,178 @@
+"""Triton x projections of a decode step: ``weights_proj(x)`` and ``wk(x)`` from one read of x, in two launches.
+
+V3.2 runs ``weights_proj`` in fp32 (no bf16 rounding of the head weights) and ``wk`` in bf16, so the two cannot
+share one cuBLAS GEMM. Run by torch, a 32-row step paid a cast of x to fp32, an fp32 SIMT sgemm with its split-K
+reduce, and a bf16 split-K GEMM with its own reduce: five launches (21.6 us on the H200 at 32 rows) for 3.7 MB of
+weights (about 1 us of HBM). Here:
+
+1. `_x_projections_partial_kernel`: the [H + D] output columns in tiles of 16, each tile's K range split so that
+   the grid fills the GPU; a program reads its slice of x once (bf16), widens it in registers for the fp32 weight
+   (an IEEE fp32 dot, ``input_precision="ieee"``: no TF32), or runs the bf16 tensor-core dot for wk, and writes
+   its fp32 partial sum.
+2. `_x_projections_reduce_kernel`: sums the partials of each output in split order (a fixed order: the result is
+   the same on every run and every stream, as the strategies' bit-identity needs) and writes both outputs in
+   their dtypes (head weights fp32, or the weight's dtype; k in x's dtype, rounded to nearest even).
+
+Accuracy: each output is an fp32 sum of exact products (bf16 x bf16 or widened bf16 x fp32 in IEEE fp32), in
+another order than cuBLAS; tests/gpu/test_x_projections_gpu.py states the bounds. Above `MAX_SPLIT_ROWS` rows
+(prefill) the projection is compute bound and cuBLAS's tiles win: those calls run ``F.linear`` (the reference's
+math, in the same call, so every strategy still gets the same kernels for the same shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .quant import interpreted, round_to_dtype_grid
+
+BLOCK_N = 16
+BLOCK_K = 64
+MAX_SPLIT_ROWS = 256  # above this (prefill) the two GEMMs run as cuBLAS F.linear calls
+PROGRAMS_PER_SM = 2   # target grid of the partial kernel: enough programs in flight to stream the weights
+
+
+@triton.jit
+def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, stride_x, stride_wp, stride_wk,
+                                  CHUNK: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr):
+    # WIDEN: every dot in IEEE fp32 on widened tiles: for an fp32 x (F.linear's fp32 GEMM uses no TF32), and under
+    # the interpreter, whose bf16 dot is wrong (Triton 3.9; the products are exact either way, only the order of
+    # the fp32 sums differs from the GPU's bf16 dot).
+    pid_s = tl.program_id(0)  # split of K (fastest: the splits of a tile run side by side and share x in L2)
+    pid_n = tl.program_id(1)  # column tile: [0, HEAD_TILES) of weights_proj, then wk's
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k0 = pid_s * CHUNK + tl.arange(0, BLOCK_K)
+    mmask = offs_m < T
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if pid_n < HEAD_TILES:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < H
+        w_rows = wp_ptr + offs_n.to(tl.int64)[:, None] * stride_wp
+        for kk in range(0, CHUNK, BLOCK_K):
+            offs_k = offs_k0 + kk
+            kmask = offs_k < K
+            xt = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if WP_FP32:  # x widened exactly; the products and sums in IEEE fp32 (no TF32 rounding of the weight)
+                acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
+            elif WIDEN:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(wt))
+    else:
+        offs_n = (pid_n - HEAD_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < D
+        w_rows = wk_ptr + offs_n.to(tl.int64)[:, None] * stride_wk
+        for kk in range(0, CHUNK, BLOCK_K):
+            offs_k = offs_k0 + kk
+            kmask = offs_k < K
+            xt = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            wt = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if WIDEN:
+                acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, tl.trans(wt))
+    # Partials laid out [m tile, n tile, split, BLOCK_M, BLOCK_N]: the reduce reads one tile's splits in a run.
+    tile = (pid_m * N_TILES + pid_n) * tl.num_programs(0) + pid_s
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile, acc)
+
+
+@triton.jit
+def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, stride_k, SPLITS: tl.constexpr,
+                                 HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    base = part_ptr + ((pid_m * N_TILES + pid_n) * SPLITS).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Unrolled so that every load is in flight at once; summed in split order (a fixed order: the same sum on
+    # every run, whichever partial program finished first).
+    for s in tl.static_range(SPLITS):
+        total += tl.load(base + s * (BLOCK_M * BLOCK_N))
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < T
+    if pid_n < HEAD_TILES:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = round_to_dtype_grid(total, hw_ptr.dtype.element_ty, INTERPRET)
+        tl.store(hw_ptr + offs_m.to(tl.int64)[:, None] * stride_hw + offs_n[None, :], out.to(hw_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & (offs_n < H)[None, :])
+    else:
+        offs_n = (pid_n - HEAD_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = round_to_dtype_grid(total, k_ptr.dtype.element_ty, INTERPRET)
+        tl.store(k_ptr + offs_m.to(tl.int64)[:, None] * stride_k + offs_n[None, :], out.to(k_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & (offs_n < D)[None, :])
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the split path is what CPU tests exercise
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNT.get(index)
+    if count is None:
+        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+def split_plan(rows: int, hidden: int, heads: int, dim: int, sms: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, chunk, splits, n_tiles)`` for ``rows`` x ``hidden`` against ``heads + dim`` output columns:
+    BLOCK_M the rows' power of two (16 .. 64), K split in chunks of whole BLOCK_K steps so that the grid holds
+    about `PROGRAMS_PER_SM` programs per SM."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    n_tiles = triton.cdiv(heads, BLOCK_N) + triton.cdiv(dim, BLOCK_N)
+    tiles = triton.cdiv(rows, block_m) * n_tiles
+    steps = triton.cdiv(hidden, BLOCK_K)
+    splits = max(1, min(steps, round(PROGRAMS_PER_SM * sms / tiles)))
+    chunk = triton.cdiv(steps, splits) * BLOCK_K
+    return block_m, chunk, triton.cdiv(hidden, chunk), n_tiles
+
+
+def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor, *,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights_proj(x) [T, H], wk(x) [T, D])``: head weights in fp32 from x widened (``weights_proj`` fp32)
+    or in the weight's dtype; k in x's dtype. Same contract as the reference (`x_projections` in
+    backends/reference/kernels.py). ``out``: two contiguous tensors to write (tests pre-fill them with NaN to
+    see that every output is written); at most `MAX_SPLIT_ROWS` rows."""
+    rows, hidden = x.shape
+    heads, dim = weights_proj.shape[0], wk.shape[0]
+    wp_fp32 = weights_proj.dtype == torch.float32
+    if rows > MAX_SPLIT_ROWS:
+        if out is not None:
+            raise ValueError(f"out= is for at most {MAX_SPLIT_ROWS} rows (the Triton path), got {rows}")
+        return F.linear(x.float() if wp_fp32 else x, weights_proj), F.linear(x, wk)
+    if out is not None:
+        head_weights, k = out
+    else:
+        head_weights = torch.empty(rows, heads, dtype=weights_proj.dtype, device=x.device)
+        k = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return head_weights, k
+    if hidden == 0:
+        return head_weights.zero_(), k.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights_proj = weights_proj if weights_proj.stride(1) == 1 else weights_proj.contiguous()
+    wk = wk if wk.stride(1) == 1 else wk.contiguous()
+    block_m, chunk, splits, n_tiles = split_plan(rows, hidden, heads, dim, _sm_count(x.device))
+    m_tiles = triton.cdiv(rows, block_m)
+    head_tiles = triton.cdiv(heads, BLOCK_N)
+    partials = torch.empty(m_tiles * n_tiles * splits * block_m * BLOCK_N, dtype=torch.float32, device=x.device)
+    _x_projections_partial_kernel[(splits, n_tiles, m_tiles)](
+        x, weights_proj, wk, partials, rows, hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0),
+        CHUNK=chunk, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        WP_FP32=wp_fp32, num_warps=4,
+        WIDEN=x.dtype == torch.float32 or interpreted(_x_projections_partial_kernel), num_stages=3)
+    _x_projections_reduce_kernel[(n_tiles, m_tiles)](
+        partials, head_weights, k, rows, heads, dim, head_weights.stride(0), k.stride(0), splits,
+        HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        INTERPRET=interpreted(_x_projections_reduce_kernel), num_warps=4)
+    return head_weights, k
