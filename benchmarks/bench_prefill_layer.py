@@ -56,11 +56,13 @@ def _timed(fn, repeats: int, warmup: bool, extra: dict | None = None) -> tuple[f
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     if warmup:
-        started = time.perf_counter()
+        started, counts = time.perf_counter(), _allocator_counts()
         fn()
         torch.cuda.synchronize()
         if extra is not None:
             extra["warmup_ms"] = (time.perf_counter() - started) * 1e3
+            after = _allocator_counts()
+            extra["allocator_during_warmup"] = {name: after[name] - counts[name] for name in ALLOCATOR_COUNTS}
     before = _allocator_counts()
     times, result = [], None
     for _ in range(repeats):
