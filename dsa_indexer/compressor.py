@@ -182,6 +182,10 @@ class Compressor(nn.Module):
         `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1).
         ``kv_cache``: the fp8 page tensor, or a plain-layout `IndexKCache` (stored by `k_prologue_store_plain`)."""
         cfg = self.config
+        if cfg.key_quant != "fp4_e2m1" and isinstance(kv_cache, torch.Tensor) and kv_cache.shape[-1] == 68:
+            raise IndexerInputError(f"kv_cache is a paged64_fp4_e2m1 cache (68 bytes per token), which holds FP4 keys; "
+                                    f"key_quant is {cfg.key_quant!r}: use key_quant='fp4_e2m1' or the fp8 cache "
+                                    "(paged64_fp8_e4m3)")
         rows = step.compress_rows
         pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
                                       step.state_slot, rows, target=target)
@@ -204,18 +208,28 @@ class Compressor(nn.Module):
 
     def _store_fp4(self, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
                    cos_sin: torch.Tensor, fp8_dtype: torch.dtype, target) -> None:
-        """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), then RoPE at 4j (bf16 out), Hadamard + e2m1 quant
-        folded into fp8 with one power-of-two scale (the `q_prologue_fp4` op with one "head"), stored in the fp8
-        pages (slot -1 stores nothing)."""
+        """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), then RoPE at 4j (bf16 out), Hadamard + e2m1 quant.
+        Into the ``paged64_fp4_e2m1`` pages (68 bytes per token): the e2m1 codes and block scales as made
+        (`fp4.key_fp4`, torch ops on any device: E = T / 4 rows of one head). Into the fp8 pages: folded into fp8
+        with one power-of-two scale (the `q_prologue_fp4` op with one "head"). Slot -1 stores nothing."""
         from . import fp4
-        from .contract.cache import store_rows
+        from .contract.cache import FP4_BLOCK, FP4_BYTES_PER_TOKEN, store_fp4_rows, store_rows
 
         cfg = self.config
         if isinstance(kv_cache, IndexKCache):
-            raise IndexerInputError(f"key_quant='fp4_e2m1' stores its keys in the fp8 pages (paged64_fp8_e4m3); a "
-                                    f"{kv_cache.layout} cache holds plain keys: allocate the fp8 layout, or use "
-                                    "key_quant 'fp8' with the plain layouts")
+            raise IndexerInputError(f"key_quant='fp4_e2m1' stores its keys in the fp8 pages (paged64_fp8_e4m3) or the "
+                                    f"FP4 pages (paged64_fp4_e2m1); a {kv_cache.layout} cache holds plain keys: "
+                                    "allocate one of those, or use key_quant 'fp8' with the plain layouts")
         normed = fp4.normed_key(pooled, self.norm.weight, cfg.norm_eps)
+        if kv_cache.shape[-1] == FP4_BYTES_PER_TOKEN:
+            if cfg.fp4_block != FP4_BLOCK:
+                raise IndexerInputError(f"the paged64_fp4_e2m1 cache holds one scale per {FP4_BLOCK} values; "
+                                        f"IndexerConfig.fp4_block is {cfg.fp4_block}: use fp4_block={FP4_BLOCK} or "
+                                        "the fp8 cache (paged64_fp8_e4m3)")
+            values, scales = fp4.key_fp4(normed, entry_positions, cos_sin, cfg.rope_offset, cfg.rope_interleaved,
+                                         cfg.fp4_block)
+            store_fp4_rows(kv_cache, slots, values, scales)
+            return
         # The rest is V4's FP4 q recipe with one head and unit weights (RoPE rounded to bf16, Hadamard, e2m1, fold):
         # the q_prologue_fp4 op (one Triton launch on GPUs) returns the fp8 keys and, as the weights, their row scales
         # (1 * 1.0 * row_scale, exact).

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .contract.cache import LAYOUT_PAGED64, IndexKCache, indices_to_slots
+from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
@@ -322,12 +322,23 @@ class Indexer(nn.Module):
     def allocate_cache(self, num_pages: int, layout: str | None = None) -> IndexKCache:
         """An empty index-K cache of ``num_pages`` 64-token pages on this indexer's device, in ``layout`` (default:
         what the target's platform stores: the fp8 132-byte pages, or on Ascend the plain bf16 layout for V3.2 and
-        the int8 one for V4's C4 indexer, which torch_npu's indexer kernels read)."""
+        the int8 one for V4's C4 indexer, which torch_npu's indexer kernels read). ``"paged64_fp4_e2m1"`` (68 bytes
+        per token, V4's FP4 keys as made) is for a ``key_quant="fp4_e2m1"`` config only."""
         from .dispatch.platform import platform_of
 
         if layout is None:
             layout = platform_of(self.target.vendor).cache_layout(self.config.compress_ratio)
+        self._check_layout(layout, "layout")
         return IndexKCache.allocate(num_pages, self.weights_proj.weight.device, self.fp8_dtype, layout)
+
+    def _check_layout(self, layout: str, name: str) -> None:
+        """The FP4 pages hold V4's FP4 keys and nothing else: only a ``key_quant="fp4_e2m1"`` config writes them."""
+        if layout == LAYOUT_PAGED64_FP4 and self.config.key_quant != "fp4_e2m1":
+            what = ("V3.2's indexer (compress_ratio 1) stores fp8 keys" if self.config.compress_ratio == 1 else
+                    f"this config's key_quant is {self.config.key_quant!r}")
+            raise IndexerInputError(f"{name}={LAYOUT_PAGED64_FP4!r} holds FP4 e2m1 keys, but {what}: use "
+                                    f"{LAYOUT_PAGED64!r} (the fp8 pages), or a V4 config with key_quant='fp4_e2m1' "
+                                    "(IndexerConfig.deepseek_v4_flash(key_quant='fp4_e2m1'))")
 
     # --- resolution helpers -------------------------------------------------------------------------------
     @property
@@ -411,7 +422,7 @@ class Indexer(nn.Module):
             k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
             k_norm_bias=self.k_norm.bias if self.k_norm is not None else None,
             cos_sin=self.cos_sin,
-            wq_b_activation=self.activation_wq_b() if cache_layout != LAYOUT_PAGED64 else None,
+            wq_b_activation=self.activation_wq_b() if cache_layout in PLAIN_LAYOUT_FORMATS else None,
             compressor=self.compressor)
         return StepPlan(
             config=cfg, target=target, fp8_dtype=self.fp8_dtype, weights=weights, problem=problem,
@@ -468,6 +479,7 @@ class Indexer(nn.Module):
                 if not bool(torch.isfinite(value).all()):
                     raise IndexerInputError(f"{name} holds NaN or inf values (the top-k of such rows is meaningless "
                                             "and their keys would be stored)")
+        self._check_layout(cache.layout, "cache.layout")
         if not cache.is_plain and cache.fp8_dtype != self.fp8_dtype:
             raise IndexerInputError(f"cache holds {cache.fp8_dtype} keys but this target's indexer writes "
                                     f"{self.fp8_dtype}: never mix e4m3fn and e4m3fnuz")

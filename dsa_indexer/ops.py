@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .contract import validate as v
-from .contract.cache import PAGE_SIZE, check_kv_cache
+from .contract.cache import PAGE_SIZE, check_kv_cache, check_paged_cache
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
 from .contract.specs import declare as _record
@@ -201,7 +201,7 @@ def _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_le
     b, n, h, d = q.shape
     if d != 128:
         raise v.IndexerInputError(f"q's head dim must be 128 (the cache layout's), got {d}")
-    check_kv_cache(kv_cache)
+    check_paged_cache(kv_cache)  # the fp8 pages (132 bytes per token) or the FP4 ones (68)
     v.tensor("kv_cache", kv_cache, device=q.device)
     v.tensor("weights", weights, dtype=torch.float32, shape=(b * n, h), device=q.device)
     v.tensor("context_lens", context_lens, dtype=torch.int32, shape=(b, n), device=q.device)
@@ -418,14 +418,18 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
 
 @declare("(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, int max_context_len) "
          "-> Tensor",
-         facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "fp8": "fp8_name(q.dtype)"},
+         # keys: what the pages hold, by their bytes per token: "fp8" (132, paged64_fp8_e4m3) or "fp4" (68,
+         # paged64_fp4_e2m1); an implementation declares the formats it reads.
+         facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "fp8": "fp8_name(q.dtype)",
+                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'"},
          fake=lambda q, kv_cache, weights, context_lens, block_table, max_context_len: q.new_empty(
              (q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32))
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int, *,
                      target: Target | str | None = None) -> torch.Tensor:
-    """Decode logits over the paged cache: q [B, N, H, 128] fp8, kv_cache uint8 [pages, 64, 1, 132],
-    weights [B*N, H] f32, context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
+    """Decode logits over the paged cache: q [B, N, H, 128] fp8, kv_cache uint8 [pages, 64, 1, 132] (fp8 keys) or
+    [pages, 64, 1, 68] (FP4 keys, ``paged64_fp4_e2m1``; problem fact ``keys``), weights [B*N, H] f32,
+    context_lens [B, N] int32 (row (b, n) sees keys < context_lens[b, n]),
     block_table [B, max_pages] int32. Returns [B*N, max_context_len] f32, -inf past each row's length."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     return q, kv_cache, weights, context_lens, block_table, max_context_len
@@ -479,7 +483,9 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 @declare("(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, int max_context_len, "
          "int k, bool return_slots) -> Tensor",
          facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "k": "k",
-                "fp8": "fp8_name(q.dtype)", "slots": "return_slots"},
+                "fp8": "fp8_name(q.dtype)", "slots": "return_slots",
+                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'"},  # as paged_mqa_logits'
+
          fake=lambda q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots: q.new_empty(
              (q.shape[0] * q.shape[1], k), dtype=torch.int32))
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
@@ -651,7 +657,6 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
             block_table, k, compress_ratio)
 
 
-OPS = tuple(OPERATORS)
 @declare("(Tensor x, Tensor weights_proj, Tensor wk) -> (Tensor, Tensor)",
          facts={"hidden": "x.shape[1]", "heads": "weights_proj.shape[0]", "dim": "wk.shape[0]",
                 "head_proj": "str(weights_proj.dtype)"},
@@ -670,3 +675,4 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
     return x, weights_proj, wk
 
 
+OPS = tuple(OPERATORS)

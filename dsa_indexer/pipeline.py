@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .compressor import CompressionStep
-from .contract.cache import LAYOUT_PAGED64, IndexKCache
+from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 from .contract.specs import PIPELINE_OP
 from .plan import StepPlan
@@ -191,14 +191,17 @@ STEPS = PipelineSteps()
 
 
 def fp8_cache_only(problem, target) -> str | None:
-    """The `supports` check of strategies that write the fp8 132-byte pages (``problem.cache`` is the layout)."""
+    """The `supports` check of strategies that write the uint8 pages ``k_path`` stores into: the fp8 132-byte ones,
+    or V4's FP4 68-byte ones (the compressor writes either) (``problem.cache`` is the layout)."""
     layout = problem.get("cache", LAYOUT_PAGED64)
-    return None if layout == LAYOUT_PAGED64 else f"writes the {LAYOUT_PAGED64} cache, not {layout}"
+    if layout in (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4):
+        return None
+    return f"writes the {LAYOUT_PAGED64} or {LAYOUT_PAGED64_FP4} cache, not {layout}"
 
 
 def plain_cache_only(problem, target) -> str | None:
     layout = problem.get("cache", LAYOUT_PAGED64)
-    return None if layout != LAYOUT_PAGED64 else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
+    return None if layout in PLAIN_LAYOUT_FORMATS else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
 
 
 def register_single_stream(registry) -> None:

@@ -14,6 +14,13 @@ paged key tensor ``[num_pages, 64, 1, 128]`` (torch_npu's ``PA_BSND`` layout, bl
   ``[num_pages, 64, 1]``.
 
 The ops that write and read these are ``k_prologue_store_plain`` and ``lightning_indexer_ragged``.
+
+Layout ``paged64_fp4_e2m1`` (V4's FP4 keys, ``key_quant="fp4_e2m1"``; DeepGEMM's paged FP4 cache of
+``fp8_fp4_paged_mqa_logits`` exactly): uint8 ``[num_pages, 64, 1, 68]``, 68 bytes per token. One page is the 64 x 64
+packed value bytes (token-major; byte i of a token holds element 2i in its low nibble and 2i + 1 in its high one; a
+nibble is ``sign << 3 | code``, codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6; zero is always code 0) followed by 64 int32
+scale words, one per token: the four ue8m0 bytes of its blocks of 32 (block b in byte b, little-endian; byte e is
+``2^(e - 127)``, 255 is NaN). The same 128 values as the fp8 pages, in half the bytes (68 vs 132).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import IndexerInputError
+from .validate import IndexerInputError, ranges_checked
 
 PAGE_SIZE = 64
 HEAD_DIM = 128
@@ -32,9 +39,19 @@ PAGE_BYTES = PAGE_SIZE * BYTES_PER_TOKEN  # 8448
 LAYOUT_PAGED64 = "paged64_fp8_e4m3"
 LAYOUT_PAGED64_BF16 = "paged64_bf16"
 LAYOUT_PAGED64_INT8 = "paged64_int8"
+LAYOUT_PAGED64_FP4 = "paged64_fp4_e2m1"
 # The key format each plain layout stores (the problem fact ``format`` of the plain-layout ops).
 PLAIN_LAYOUT_FORMATS = {LAYOUT_PAGED64_BF16: "bf16", LAYOUT_PAGED64_INT8: "int8"}
-LAYOUTS = (LAYOUT_PAGED64, *PLAIN_LAYOUT_FORMATS)
+LAYOUTS = (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, *PLAIN_LAYOUT_FORMATS)
+
+# paged64_fp4_e2m1: e2m1 values two per byte, one int32 of four ue8m0 block scales per token.
+FP4_BLOCK = 32
+FP4_VALUE_BYTES = HEAD_DIM // 2  # 64
+FP4_BYTES_PER_TOKEN = FP4_VALUE_BYTES + SCALE_BYTES  # 68
+FP4_PAGE_BYTES = PAGE_SIZE * FP4_BYTES_PER_TOKEN  # 4352
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of e2m1 code c (bits 0-2); bit 3 is the sign
+# The key format of each paged layout that the paged ops read (their problem fact ``keys``), by bytes per token.
+PAGED_KEY_FORMATS = {BYTES_PER_TOKEN: "fp8", FP4_BYTES_PER_TOKEN: "fp4"}
 
 
 def check_kv_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
@@ -48,6 +65,28 @@ def check_kv_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
                                 f"{list(kv_cache.shape)}")
     if not kv_cache.is_contiguous():
         raise IndexerInputError(f"{name} must be contiguous (pages are {PAGE_BYTES} consecutive bytes)")
+
+
+def check_paged_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
+    """What the paged ops (`paged_mqa_logits`, `lightning_indexer`) read: the fp8 pages ``[pages, 64, 1, 132]`` or
+    the FP4 pages ``[pages, 64, 1, 68]`` (``paged64_fp4_e2m1``), uint8 and contiguous."""
+    if isinstance(kv_cache, torch.Tensor) and kv_cache.dim() == 4 and kv_cache.shape[-1] == FP4_BYTES_PER_TOKEN:
+        check_fp4_cache(kv_cache, name)
+    else:
+        check_kv_cache(kv_cache, name)
+
+
+def check_fp4_cache(kv_cache: torch.Tensor, name: str = "kv_cache") -> None:
+    """Raise a clear error unless ``kv_cache`` is the uint8 ``[pages, 64, 1, 68]`` contiguous FP4 pages."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise IndexerInputError(f"{name} must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dtype != torch.uint8:
+        raise IndexerInputError(f"{name} of layout {LAYOUT_PAGED64_FP4} must be uint8, got {kv_cache.dtype}")
+    if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (PAGE_SIZE, 1, FP4_BYTES_PER_TOKEN):
+        raise IndexerInputError(f"{name} of layout {LAYOUT_PAGED64_FP4} must have shape [num_pages, {PAGE_SIZE}, 1, "
+                                f"{FP4_BYTES_PER_TOKEN}], got {list(kv_cache.shape)}")
+    if not kv_cache.is_contiguous():
+        raise IndexerInputError(f"{name} must be contiguous (pages are {FP4_PAGE_BYTES} consecutive bytes)")
 
 
 def check_plain_cache(data: torch.Tensor, scales: torch.Tensor | None, layout: str, name: str = "key_cache") -> None:
@@ -93,6 +132,102 @@ def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dt
     keys, scales = page_views(kv_cache, fp8_dtype)
     slots = slots.long()
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
+
+
+# --- paged64_fp4_e2m1 -----------------------------------------------------------------------------------------------
+# Code of 2 * |value| for the e2m1 magnitudes (2 * 6 = 12 is the largest); -1: not on the grid.
+_CODE_OF_TWICE = (0, 1, 2, 3, 4, -1, 5, -1, 6, -1, -1, -1, 7)
+
+
+def fp4_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the FP4 pages into (packed values uint8 ``[pages, 64, 64]``, scale bytes uint8 ``[pages, 64, 4]``, byte b
+    = block b's ue8m0 exponent; the int32 word of a token is its four bytes little-endian); both are views."""
+    pages = kv_cache.view(-1, FP4_PAGE_BYTES)
+    values = pages[:, : PAGE_SIZE * FP4_VALUE_BYTES].view(-1, PAGE_SIZE, FP4_VALUE_BYTES)
+    scales = pages[:, PAGE_SIZE * FP4_VALUE_BYTES:].view(-1, PAGE_SIZE, SCALE_BYTES)
+    return values, scales
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values on the e2m1 grid [..., D] (D even) packed two per byte, uint8 [..., D / 2]: element 2i in the low
+    nibble, 2i + 1 in the high one; a nibble is ``sign << 3 | code``, zero always code 0 (no negative zero). A value
+    off the grid (or NaN) raises where ranges are checked; NaN values are written as 0 (their block's scale is NaN)."""
+    twice = (values.float().abs() * 2).nan_to_num(0.0, 0.0, 0.0)
+    table = torch.tensor(_CODE_OF_TWICE, dtype=torch.int16, device=values.device)
+    index = twice.clamp_max(12).to(torch.int64)
+    code = table[index]
+    if ranges_checked(values) and bool(((code < 0) | (index.float() != twice)).any()):
+        raise IndexerInputError("pack_e2m1: values must lie on the e2m1 grid (+-0, 0.5, 1, 1.5, 2, 3, 4, 6)")
+    code = code.clamp_min(0).to(torch.uint8)
+    code = code | (((values < 0) & (code != 0)).to(torch.uint8) << 3)
+    return code[..., 0::2] | (code[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_e2m1`: uint8 (or int8) [..., D / 2] -> fp32 [..., D] e2m1 values."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=packed.device)
+    signed = torch.cat([grid, -grid])
+    u = packed.view(torch.uint8).to(torch.int64)
+    return torch.stack([signed[u & 0xF], signed[u >> 4]], dim=-1).flatten(-2)
+
+
+def ue8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """The ue8m0 byte of each power-of-two fp32 scale: its biased exponent (uint8, same shape; NaN gives 255)."""
+    return ((scales.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def ue8m0_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """ue8m0 bytes -> fp32 ``2^(byte - 127)`` (255: NaN)."""
+    e = scale_bytes.to(torch.int32)
+    out = torch.ldexp(torch.ones(e.shape, dtype=torch.float32, device=e.device), e - 127)
+    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+
+
+def _check_fp4_rows(values: torch.Tensor, scales: torch.Tensor) -> None:
+    if values.dim() != 2 or values.shape[1] != HEAD_DIM:
+        raise IndexerInputError(f"values must be [N, {HEAD_DIM}] e2m1 values, got {list(values.shape)}")
+    if tuple(scales.shape) != (values.shape[0], HEAD_DIM // FP4_BLOCK):
+        raise IndexerInputError(f"scales must be [N, {HEAD_DIM // FP4_BLOCK}] (one power of two per block of "
+                                f"{FP4_BLOCK}), got {list(scales.shape)}")
+
+
+def store_fp4_rows(kv_cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+    """Write FP4 keys (``values`` [N, 128] on the e2m1 grid, ``scales`` [N, 4] powers of two per block of 32, what
+    `quant_fp4_e2m1` returns) into slot ``slots[i]`` of the ``paged64_fp4_e2m1`` pages; slots < 0 are skipped."""
+    _check_fp4_rows(values, scales)
+    packed, scale_bytes = fp4_page_views(kv_cache)
+    keep = slots >= 0
+    slots = slots[keep].long()
+    packed[slots // PAGE_SIZE, slots % PAGE_SIZE] = pack_e2m1(values[keep])
+    scale_bytes[slots // PAGE_SIZE, slots % PAGE_SIZE] = ue8m0_bytes(scales[keep])
+
+
+def gather_fp4_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read (e2m1 values fp32 ``[N, 128]``, block scales fp32 ``[N, 4]``) for the given slots of the FP4 pages."""
+    packed, scale_bytes = fp4_page_views(kv_cache)
+    slots = slots.long()
+    page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
+    return unpack_e2m1(packed[page, row]), ue8m0_values(scale_bytes[page, row])
+
+
+def dequant_fp4_pages(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The keys of whole FP4 pages (``pages`` [P] page indices) dequantized: fp32 ``[P * 64, 128]`` (exact)."""
+    packed, scale_bytes = fp4_page_views(kv_cache)
+    values = unpack_e2m1(packed[pages.long()]).reshape(-1, FP4_BLOCK)
+    return (values * ue8m0_values(scale_bytes[pages.long()]).reshape(-1, 1)).reshape(-1, HEAD_DIM)
+
+
+def fold_fp4_rows(values: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """FP4 rows ([N, 128] e2m1, [N, 4] block scales) as fp8 with one power-of-two row scale, the arithmetic of
+    ``reference.kernels.fold_fp4_to_fp8`` (which the contract cannot import: the reference imports the contract),
+    so a gathered FP4 key equals the fold path's stored one in value (a test checks that; a -0 reads back +0).
+    Row scale = largest block scale * 2^-6 (e4m3fnuz: 2^-5); exact unless a block lies more than 2^14 below the
+    row's largest."""
+    shift = 5 if fp8_dtype == torch.float8_e4m3fnuz else 6
+    row = scales.amax(dim=-1, keepdim=True) * 2.0 ** -shift
+    folded = values.float().reshape(*scales.shape, -1) * (scales / row)[..., None]
+    return folded.reshape(values.shape).to(fp8_dtype), row.squeeze(-1)
 
 
 def store_plain_rows(key_cache: torch.Tensor, key_scales: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
@@ -141,8 +276,11 @@ def _check_fp8(fp8_dtype: torch.dtype) -> None:
 class IndexKCache:
     """One layer's index-K cache. The library owns its allocation and its layout tag (`LAYOUTS`)."""
 
-    data: torch.Tensor  # paged64_fp8_e4m3: uint8 [num_pages, 64, 1, 132]; plain layouts: [num_pages, 64, 1, 128]
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn  # the fp8 flavour of the fp8 layout (unused by the plain ones)
+    # paged64_fp8_e4m3: uint8 [num_pages, 64, 1, 132]; paged64_fp4_e2m1: uint8 [num_pages, 64, 1, 68];
+    # plain layouts: [num_pages, 64, 1, 128]
+    data: torch.Tensor
+    # The fp8 flavour of the fp8 layout, and of q and the gathered (folded) keys for the FP4 one; unused by the plain
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
     layout: str = LAYOUT_PAGED64
     scales: torch.Tensor | None = None  # paged64_int8: fp16 [num_pages, 64, 1]; None otherwise
     # Host facts every call reads, taken once: the cache is frozen (its tensors are written in place, never rebound),
@@ -160,6 +298,9 @@ class IndexKCache:
         if layout == LAYOUT_PAGED64:
             data = torch.zeros(num_pages, PAGE_SIZE, 1, BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
             return cls(data, fp8_dtype)
+        if layout == LAYOUT_PAGED64_FP4:
+            data = torch.zeros(num_pages, PAGE_SIZE, 1, FP4_BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
+            return cls(data, fp8_dtype, layout)
         if layout == LAYOUT_PAGED64_BF16:
             return cls(torch.zeros(num_pages, PAGE_SIZE, 1, HEAD_DIM, dtype=torch.bfloat16, device=device),
                        fp8_dtype, layout)
@@ -175,10 +316,10 @@ class IndexKCache:
         object.__setattr__(self, "num_pages", self.data.shape[0])
         object.__setattr__(self, "device", self.data.device)
         object.__setattr__(self, "is_plain", self.layout in PLAIN_LAYOUT_FORMATS)
-        if self.layout == LAYOUT_PAGED64:
-            check_kv_cache(self.data, "IndexKCache.data")
+        if self.layout in (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4):
+            (check_kv_cache if self.layout == LAYOUT_PAGED64 else check_fp4_cache)(self.data, "IndexKCache.data")
             if self.scales is not None:
-                raise ValueError(f"layout {LAYOUT_PAGED64} keeps its scales inside the pages: scales must be None")
+                raise ValueError(f"layout {self.layout} keeps its scales inside the pages: scales must be None")
             return
         check_plain_cache(self.data, self.scales, self.layout)
 
@@ -189,7 +330,10 @@ class IndexKCache:
 
     @property
     def key_format(self) -> str:
-        """``"fp8"`` (the 132-byte pages), ``"bf16"`` or ``"int8"`` (the plain layouts)."""
+        """``"fp8"`` (the 132-byte pages), ``"fp4"`` (the 68-byte pages), ``"bf16"`` or ``"int8"`` (the plain
+        layouts)."""
+        if self.layout == LAYOUT_PAGED64_FP4:
+            return "fp4"
         return PLAIN_LAYOUT_FORMATS.get(self.layout, "fp8")
 
     def scales_or_empty(self) -> torch.Tensor:
@@ -203,11 +347,27 @@ class IndexKCache:
         """Token slots in the cache."""
         return self.num_pages * PAGE_SIZE
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.is_plain:
-            raise ValueError(f"gather reads the {LAYOUT_PAGED64} layout; a {self.layout} cache is read in place by "
-                             "lightning_indexer_ragged")
+    def _check_slots(self, slots: torch.Tensor) -> None:
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.capacity):
             raise ValueError(f"slots must lie in [0, {self.capacity}), got range "
                              f"[{int(slots.min())}, {int(slots.max())}]")
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 ``[N, 128]``, fp32 ``[N]``) keys of ``slots``, what the ragged (prefill) logits read. The FP4 layout
+        gives its keys folded into fp8 with one power-of-two row scale (`fold_fp4_rows`): the same values, exactly
+        (the fold's one limit aside), so the fp8 ragged kernels score FP4 keys unchanged."""
+        if self.is_plain:
+            raise ValueError(f"gather reads the {LAYOUT_PAGED64} and {LAYOUT_PAGED64_FP4} layouts; a {self.layout} "
+                             "cache is read in place by lightning_indexer_ragged")
+        self._check_slots(slots)
+        if self.layout == LAYOUT_PAGED64_FP4:
+            return fold_fp4_rows(*gather_fp4_rows(self.data, slots), self.fp8_dtype)
         return gather_rows(self.data, slots, self.fp8_dtype)
+
+    def gather_fp4(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP4 layout's keys as stored: (e2m1 values fp32 ``[N, 128]``, block scales fp32 ``[N, 4]``)."""
+        if self.layout != LAYOUT_PAGED64_FP4:
+            raise ValueError(f"gather_fp4 reads the {LAYOUT_PAGED64_FP4} layout, this cache is {self.layout}: use "
+                             "gather")
+        self._check_slots(slots)
+        return gather_fp4_rows(self.data, slots)

@@ -63,9 +63,10 @@ def _deep_gemm_probe() -> str | None:
 
 
 # What the DeepGEMM adapters take, declared (dispatch/capabilities.py); the registry reports every failing fact.
+# keys: these read the fp8 132-byte pages (the paged ops' fact; the ragged problem does not carry it).
 LOGITS_CAPS = Capabilities("DeepGEMM logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS)
 PAGED_CAPS = Capabilities("DeepGEMM paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS,
-                          next_n=PAGED_NEXT_N)
+                          next_n=PAGED_NEXT_N, keys=("fp8",))
 GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",),
                          out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
                          k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
@@ -117,7 +118,7 @@ FUSED_LIGHTNING_HEADS = 64
 
 
 FUSED_LIGHTNING_CAPS = Capabilities("the fused CUDA lightning kernel", heads=(FUSED_LIGHTNING_HEADS,),
-                                    dim=(HEAD_DIM,), fp8=("fn",))
+                                    dim=(HEAD_DIM,), fp8=("fn",), keys=("fp8",))
 
 
 def _fused_lightning_factory():

@@ -11,8 +11,8 @@ import functools
 
 import torch
 
-from ...contract.cache import (PAGE_SIZE, decode_row_requests, gather_plain_keys, indices_to_slots, page_views,
-                               store_plain_rows, store_rows)
+from ...contract.cache import (FP4_BYTES_PER_TOKEN, PAGE_SIZE, decode_row_requests, dequant_fp4_pages,
+                               gather_plain_keys, indices_to_slots, page_views, store_plain_rows, store_rows)
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20
@@ -177,7 +177,8 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                      block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
     batch, next_n, heads, dim = q.shape
-    keys, scales = page_views(kv_cache, q.dtype)
+    fp4 = kv_cache.shape[-1] == FP4_BYTES_PER_TOKEN  # paged64_fp4_e2m1: the keys are dequantized, scales are 1
+    keys, scales = (None, None) if fp4 else page_views(kv_cache, q.dtype)
     out = torch.full((batch * next_n, max_context_len), float("-inf"), dtype=torch.float32, device=q.device)
     lens = context_lens.reshape(batch, next_n).to("cpu", torch.int64)
     cols = torch.arange(max_context_len, device=q.device)
@@ -186,8 +187,11 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         if length <= 0:
             continue
         pages = block_table[b, : (length + PAGE_SIZE - 1) // PAGE_SIZE].long()
-        k = keys[pages].reshape(-1, dim)[:length].float()
-        k_scale = scales[pages].reshape(-1)[:length]
+        if fp4:
+            k, k_scale = dequant_fp4_pages(kv_cache, pages)[:length], 1.0
+        else:
+            k = keys[pages].reshape(-1, dim)[:length].float()
+            k_scale = scales[pages].reshape(-1)[:length]
         rows = slice(b * next_n, (b + 1) * next_n)
         logits = _weighted_relu_scores(q[b].float(), k, weights[rows].float()) * k_scale
         visible = cols[:length] < context_lens.reshape(batch, next_n)[b, :, None].long()

@@ -92,7 +92,8 @@ RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_
 PAGED_CAPS = Capabilities("aiter's paged kernel",
                           next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),
-                          dim=(HEAD_DIM,), heads=_TL_DOT_HEADS)
+                          dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
+                          keys=("fp8",))  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
 
 
 def _topk_supports(problem: Problem, target: Target) -> str | None:

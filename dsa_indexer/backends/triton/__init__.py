@@ -54,8 +54,13 @@ LOGITS_OPS = ("ragged_mqa_logits", "paged_mqa_logits", "ragged_mqa_topk")
 
 def _capabilities(op: str) -> Capabilities:
     if op in LOGITS_OPS:
-        return Capabilities("the Triton logits kernels", heads=(32, 64, 128), **_KERNEL_FACTS)
+        # keys: the fp8 kernels read the 132-byte pages; V4's FP4 pages (68 bytes) have their own kernel.
+        return Capabilities("the Triton logits kernels", heads=(32, 64, 128), keys=("fp8",), **_KERNEL_FACTS)
     return Capabilities("the Triton kernels", **_KERNEL_FACTS)
+
+
+# The paged logits over V4's FP4 cache (paged64_fp4_e2m1): nibbles and block scales unpacked in the kernel.
+FP4_LOGITS_CAPS = Capabilities("the Triton FP4 paged logits kernel", heads=(32, 64, 128), dim=(128,), keys=("fp4",))
 
 
 class _FusedRowBytes:
@@ -85,6 +90,13 @@ def dsa_indexer_register(registry: Registry) -> None:
         registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), capabilities=_capabilities(op),
                                 description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
+    registry.implementation("paged_mqa_logits", impl_id="paged_mqa_logits.triton.logits_fp4", targets=TRITON_TARGETS,
+                            # - 1: below the fp8 kernel (no tie), so a problem that does not say its keys (the CLI's,
+                            # a coarse plan) gets the fp8 pages' kernel; fp4 keys are refused by that one.
+                            priority=TRITON_PRIORITY - 1, requires=("gpu", "triton"), capabilities=FP4_LOGITS_CAPS,
+                            description="Triton kernel logits_fp4.paged_mqa_logits_fp4: FP4 pages (68 B/token), "
+                                        "e2m1 + ue8m0 unpacked in the kernel, fp8 dot per block of 32, fp32 sums"
+                            )(_factory("logits_fp4", "paged_mqa_logits_fp4"))
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             capabilities=_capabilities("ragged_mqa_topk"),
