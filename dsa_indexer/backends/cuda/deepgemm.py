@@ -57,6 +57,7 @@ from ...dispatch.vendor import VendorLibrary
 from .deepgemm_api import *  # noqa: F401,F403 - one name for the backend and the tests
 from .deepgemm_api import GEMM_NAMES, PAGED_LEGACY, PAGED_NEW, RAGGED_LEGACY, RAGGED_NEW, DeepGemmApi, detect_api
 from .deepgemm_kernels import *  # noqa: F401,F403
+from .deepgemm_fp4 import *  # noqa: F401,F403
 from .deepgemm_kernels import MAKERS, make_paged_mqa_logits
 
 
