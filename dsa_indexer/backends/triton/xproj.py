@@ -6,9 +6,9 @@ reduce, and a bf16 split-K GEMM with its own reduce: five launches (21.6 us on t
 weights (about 1 us of HBM). Here:
 
 1. `_x_projections_partial_kernel`: the [H + D] output columns in tiles of 16, each tile's K range split so that
-   the grid fills the GPU; a program reads its slice of x once (bf16), widens it in registers for the fp32 weight
-   (an IEEE fp32 dot, ``input_precision="ieee"``: no TF32), or runs the bf16 tensor-core dot for wk, and writes
-   its fp32 partial sum.
+   the grid fills the GPU; a program reads its slice of x once (bf16) and runs bf16 tensor-core dots with fp32
+   accumulation: for wk one, for the fp32 weights_proj three (the weight split into bf16 hi + mid + lo in
+   registers: 24 significant bits, the fp32 weight exactly), and writes its fp32 partial.
 2. `_x_projections_reduce_kernel`: sums the partials of each output in split order (a fixed order: the result is
    the same on every run and every stream, as the strategies' bit-identity needs) and writes both outputs in
    their dtypes (head weights fp32, or the weight's dtype; k in x's dtype, rounded to nearest even).
@@ -29,9 +29,49 @@ import triton.language as tl
 from .quant import interpreted, round_to_dtype_grid
 
 BLOCK_N = 16
-BLOCK_K = 64
+BLOCK_K = 128
 MAX_SPLIT_ROWS = 256  # above this (prefill) the two GEMMs run as cuBLAS F.linear calls
 PROGRAMS_PER_SM = 2   # target grid of the partial kernel: enough programs in flight to stream the weights
+
+
+@triton.jit
+def _tile_dot(x_rows, mmask, offs_k0, w_ptr, stride_w, first_col, N, K, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP32: tl.constexpr, WIDEN: tl.constexpr):
+    """x rows [BLOCK_M, this split's CHUNK of K] times weight rows [first_col, + BLOCK_N) transposed, fp32."""
+    offs_n = first_col + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, CHUNK, BLOCK_K):
+        offs_k = offs_k0 + kk
+        kmask = offs_k < K
+        xt = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        wt = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if WIDEN:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
+        elif W_FP32:
+            # The fp32 weight as three bf16 terms, hi + mid + lo (each the bf16 rounding of what is left: together
+            # 24 significant bits: the fp32 weight exactly for normal values), each times the bf16 x on the tensor
+            # cores: exact products, fp32 sums. An IEEE fp32 (FMA) dot of the same tile measured 10-18 us.
+            hi = wt.to(tl.bfloat16)
+            rest = wt - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc += tl.dot(xt, tl.trans(lo))
+            acc += tl.dot(xt, tl.trans(mid))
+            acc += tl.dot(xt, tl.trans(hi))
+        else:
+            acc += tl.dot(xt, tl.trans(wt))
+    return acc
+
+
+@triton.jit
+def _store_tile(out_ptr, stride_out, total, offs_m, mmask, first_col, N, BLOCK_N: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    offs_n = first_col + tl.arange(0, BLOCK_N)
+    out = round_to_dtype_grid(total, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -39,9 +79,9 @@ def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, s
                                   CHUNK: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                   WP_FP32: tl.constexpr, WIDEN: tl.constexpr):
-    # WIDEN: every dot in IEEE fp32 on widened tiles: for an fp32 x (F.linear's fp32 GEMM uses no TF32), and under
-    # the interpreter, whose bf16 dot is wrong (Triton 3.9; the products are exact either way, only the order of
-    # the fp32 sums differs from the GPU's bf16 dot).
+    # WIDEN: every dot in IEEE fp32 on widened tiles: for an fp32 x (F.linear's fp32 GEMM uses no TF32; fp16 x too,
+    # whose values the bf16 terms would not hold), and under the interpreter, whose bf16 dot is wrong (Triton 3.9;
+    # the products are exact either way, only the order of the fp32 sums differs from the GPU's).
     pid_s = tl.program_id(0)  # split of K (fastest: the splits of a tile run side by side and share x in L2)
     pid_n = tl.program_id(1)  # column tile: [0, HEAD_TILES) of weights_proj, then wk's
     pid_m = tl.program_id(2)
@@ -49,35 +89,13 @@ def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, s
     offs_k0 = pid_s * CHUNK + tl.arange(0, BLOCK_K)
     mmask = offs_m < T
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A runtime branch: each side's locals live in its helper (Triton wants one type per name across branches).
     if pid_n < HEAD_TILES:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < H
-        w_rows = wp_ptr + offs_n.to(tl.int64)[:, None] * stride_wp
-        for kk in range(0, CHUNK, BLOCK_K):
-            offs_k = offs_k0 + kk
-            kmask = offs_k < K
-            xt = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if WP_FP32:  # x widened exactly; the products and sums in IEEE fp32 (no TF32 rounding of the weight)
-                acc += tl.dot(xt.to(tl.float32), tl.trans(wt), input_precision="ieee")
-            elif WIDEN:
-                acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, tl.trans(wt))
+        acc = _tile_dot(x_rows, mmask, offs_k0, wp_ptr, stride_wp, pid_n * BLOCK_N, H, K, CHUNK, BLOCK_M, BLOCK_N,
+                        BLOCK_K, WP_FP32, WIDEN)
     else:
-        offs_n = (pid_n - HEAD_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < D
-        w_rows = wk_ptr + offs_n.to(tl.int64)[:, None] * stride_wk
-        for kk in range(0, CHUNK, BLOCK_K):
-            offs_k = offs_k0 + kk
-            kmask = offs_k < K
-            xt = tl.load(x_rows + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w_rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if WIDEN:
-                acc += tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, tl.trans(wt))
+        acc = _tile_dot(x_rows, mmask, offs_k0, wk_ptr, stride_wk, (pid_n - HEAD_TILES) * BLOCK_N, D, K, CHUNK,
+                        BLOCK_M, BLOCK_N, BLOCK_K, False, WIDEN)
     # Partials laid out [m tile, n tile, split, BLOCK_M, BLOCK_N]: the reduce reads one tile's splits in a run.
     tile = (pid_m * N_TILES + pid_n) * tl.num_programs(0) + pid_s
     offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -100,15 +118,9 @@ def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, st
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = offs_m < T
     if pid_n < HEAD_TILES:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = round_to_dtype_grid(total, hw_ptr.dtype.element_ty, INTERPRET)
-        tl.store(hw_ptr + offs_m.to(tl.int64)[:, None] * stride_hw + offs_n[None, :], out.to(hw_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & (offs_n < H)[None, :])
+        _store_tile(hw_ptr, stride_hw, total, offs_m, mmask, pid_n * BLOCK_N, H, BLOCK_N, INTERPRET)
     else:
-        offs_n = (pid_n - HEAD_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = round_to_dtype_grid(total, k_ptr.dtype.element_ty, INTERPRET)
-        tl.store(k_ptr + offs_m.to(tl.int64)[:, None] * stride_k + offs_n[None, :], out.to(k_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & (offs_n < D)[None, :])
+        _store_tile(k_ptr, stride_k, total, offs_m, mmask, (pid_n - HEAD_TILES) * BLOCK_N, D, BLOCK_N, INTERPRET)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -170,7 +182,7 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
         x, weights_proj, wk, partials, rows, hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0),
         CHUNK=chunk, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         WP_FP32=wp_fp32, num_warps=4,
-        WIDEN=x.dtype == torch.float32 or interpreted(_x_projections_partial_kernel), num_stages=3)
+        WIDEN=x.dtype != torch.bfloat16 or interpreted(_x_projections_partial_kernel), num_stages=3)
     _x_projections_reduce_kernel[(n_tiles, m_tiles)](
         partials, head_weights, k, rows, heads, dim, head_weights.stride(0), k.stride(0), splits,
         HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
