@@ -156,7 +156,9 @@ def _resolve(op: str, arch: str, keys: str, **env):
 def test_fp4_keys_resolve_to_the_fp4_kernel_and_every_fp8_reader_refuses(arch):
     env = dict(gpu=True, triton=True, deep_gemm=True, cuda_jit=True)
     res = _resolve("paged_mqa_logits", arch, "fp4", **env)
-    assert res.chosen.impl_id == "paged_mqa_logits.triton.logits_fp4"
+    # sm100 with DeepGEMM: its FP4 adapter (tests/backends/test_deepgemm_fp4_paged_cpu.py); else the Triton kernel.
+    want = "paged_mqa_logits.cuda.deepgemm_fp4" if arch == "sm100" else "paged_mqa_logits.triton.logits_fp4"
+    assert res.chosen.impl_id == want
     reasons = {c.impl.impl_id: c.reason for c in res.candidates}
     assert "keys=fp4: DeepGEMM paged logits takes fp8" in reasons["paged_mqa_logits.cuda.deepgemm"]
     assert "keys=fp4: the Triton logits kernels takes fp8" in reasons["paged_mqa_logits.triton.logits"]

@@ -92,3 +92,50 @@ class FakeDeepGemmSm100(types.ModuleType):
         # fp32 values (exact products of e2m1 and powers of two) through the fp8 reference with unit key scales
         ones = torch.ones(kv_fp.shape[0])
         return ref.ragged_mqa_logits(qv, kvv, ones, weights, cu_seq_len_k_start, cu_seq_len_k_end)
+
+    # --- paged FP4 logits (DeepGEMM 54e2261 csrc/apis/attention.hpp: fp8_fp4_paged_mqa_logits) -----------------
+    def get_num_sms(self):
+        return 148
+
+    def get_paged_mqa_logits_metadata(self, context_lens, block_kv, num_sms):
+        assert context_lens.dtype == torch.int32 and context_lens.dim() == 2 and context_lens.is_contiguous()
+        assert block_kv == 64 and num_sms == self.get_num_sms()
+        self.calls.append(("get_paged_mqa_logits_metadata", tuple(context_lens.shape)))
+        return torch.full((num_sms + 1, 2), 5, dtype=torch.int32)  # opaque to callers; checked to be passed back
+
+    def fp8_fp4_paged_mqa_logits(self, q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                                 max_context_len, clean_logits=False, logits_dtype=torch.float32, indices=None):
+        q_fp, q_sf = q
+        self.calls.append(("fp8_fp4_paged_mqa_logits", q_sf is not None, clean_logits))
+        assert q_sf is not None, "this double only takes the FP4 form"
+        batch, next_n, heads, half = q_fp.shape
+        assert heads in (8, 16, 32, 64) and half * 2 in (64, 128)
+        assert q_fp.dtype == torch.int8 and q_fp.is_contiguous()
+        assert q_sf.dtype == torch.int32 and q_sf.shape == (batch, next_n, heads) and q_sf.is_contiguous()
+        pages, block_kv = kv_cache.shape[0], kv_cache.shape[1]
+        assert kv_cache.dtype == torch.uint8 and kv_cache.shape[2:] == (1, half + 4) and block_kv in (32, 64)
+        assert kv_cache.is_contiguous()
+        assert weights.dtype == torch.float32 and weights.shape == (batch * next_n, heads)
+        assert context_lens.dtype == torch.int32 and context_lens.shape == (batch, next_n)
+        assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
+        assert schedule_meta.shape == (self.get_num_sms() + 1, 2) and bool((schedule_meta == 5).all())
+        assert not clean_logits and logits_dtype == torch.float32 and indices is None
+        blocks = half * 2 // 32
+        qv = decode_e2m1(q_fp) * unpack_ue8m0_words(q_sf[..., None], blocks).repeat_interleave(32, -1)
+        # Each page: block_kv x half value bytes, then block_kv int32 scale words.
+        page_bytes = kv_cache.reshape(pages, -1)
+        values = decode_e2m1(page_bytes[:, : block_kv * half].reshape(pages, block_kv, half))
+        words = page_bytes[:, block_kv * half:].contiguous().view(torch.int32)
+        keys = values * unpack_ue8m0_words(words[..., None], blocks).repeat_interleave(32, -1)
+        # DeepGEMM's result: rows padded to a multiple of 256 columns, garbage past each row's length (7.0 here).
+        padded = -(-max_context_len // 256) * 256
+        out = torch.full((batch * next_n, padded), 7.0)
+        for b in range(batch):
+            length = int(context_lens[b, -1])  # DeepGEMM schedules request b by its last row's length
+            k = keys[block_table[b, : -(-length // block_kv)].long()].reshape(-1, half * 2)[:length].double()
+            scores = torch.einsum("nhd,kd->nhk", qv[b].double(), k).clamp_min(0)
+            row_logits = (scores * weights[b * next_n:(b + 1) * next_n, :, None].double()).sum(1)
+            for j in range(next_n):
+                seen = int(context_lens[b, j])
+                out[b * next_n + j, :seen] = row_logits[j, :seen].float()
+        return out[:, :max_context_len]

@@ -71,6 +71,11 @@ GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",),
                          out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
                          k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
                          n=Rule(lambda n: n % 64 == 0, "N a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
+# V4's FP4 pages (paged64_fp4_e2m1) through fp8_fp4_paged_mqa_logits with q's scales: DeepGEMM asserts sm100 for
+# FP4 (arch_major == 10; sm90 takes fp8 only) and heads 8/16/32/64, head dim 64 or 128 (the library's is 128).
+FP4_PAGED_TARGETS = ("sm100",)
+FP4_PAGED_CAPS = Capabilities("DeepGEMM FP4 paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=(8, 16, 32, 64),
+                              keys=("fp4",))
 CAPABILITIES = {"paged_mqa_logits": PAGED_CAPS, "ragged_mqa_logits": LOGITS_CAPS, "gemm_fp8_blockscale": GEMM_CAPS}
 
 
@@ -96,6 +101,30 @@ def _available(op: str):
         return None
 
     return check
+
+
+def _fp4_paged_available(target: Target, env: Environment) -> str | None:
+    """The detected API must have the FP4-capable paged function (feature detection, as `_available`)."""
+    from .deepgemm import PAGED_NEW, detected_api
+
+    api = detected_api()
+    if api is not None and api.paged_fn != PAGED_NEW:
+        return f"{api.describe()} has no {PAGED_NEW} (DeepGEMM's FP4 paged logits)"
+    return None
+
+
+def _fp4_paged_factory():
+    """The adapter, self-tested once against the reference on the GPU (it has never run on a real sm100 here): a
+    failure rejects it with the reason and resolution moves on (to the Triton FP4 kernel)."""
+    import deep_gemm
+
+    from . import deepgemm
+    from .deepgemm_fp4 import check_fp4_paged_adapter, make_fp4_paged_mqa_logits
+
+    adapter = make_fp4_paged_mqa_logits(deep_gemm, deepgemm.api_for(deep_gemm))
+    if torch.cuda.is_available():
+        check_fp4_paged_adapter(adapter, torch.device("cuda", torch.cuda.current_device()))
+    return adapter
 
 
 def _cuda_jit_probe() -> str | None:
@@ -195,6 +224,13 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
                                 supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
                                 info=info)(_factory(op))
+    # DEEPGEMM_PRIORITY - 1: no tie with the fp8 adapter on sm100; a problem that does not say its keys gets that one.
+    registry.implementation("paged_mqa_logits", impl_id="paged_mqa_logits.cuda.deepgemm_fp4", targets=FP4_PAGED_TARGETS,
+                            priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
+                            available=_fp4_paged_available, capabilities=FP4_PAGED_CAPS,
+                            description="DeepGEMM fp8_fp4_paged_mqa_logits over the 68-byte FP4 pages (q unfolded to "
+                                        "packed e2m1 + ue8m0 scales; sm100 only; self-tested at build, never run here)"
+                            )(_fp4_paged_factory)
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),

@@ -7,16 +7,15 @@ cache layout) lives in `contract/cache.py`."""
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from ...contract.cache import E2M1_GRID, FP4_BYTES_PER_TOKEN, PAGE_SIZE  # noqa: F401 (E2M1_GRID re-exported)
+from ...contract.cache import pack_e2m1 as pack_fp4_bytes
 from ...contract.validate import IndexerInputError, ranges_checked
-from .deepgemm_api import FP4_LOGITS_BLOCK, RAGGED_NEW, DeepGemmApi
-from .deepgemm_kernels import require_powers_of_two, ue8m0_bytes
-
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of e2m1 code c (bits 0-2); bit 3 is the sign
-
+from .deepgemm_api import FP4_LOGITS_BLOCK, METADATA, PAGED_NEW, RAGGED_NEW, DeepGemmApi
+from .deepgemm_kernels import _num_sms, mask_tail_, require_powers_of_two, step_memo, ue8m0_bytes
 
 def pack_ue8m0_rows(scales: torch.Tensor) -> torch.Tensor:
     """fp32 power-of-two block scales [..., B] (B <= 4) as one int32 per row (contiguous), the ``q_sf`` / ``kv_sf``
@@ -31,13 +30,9 @@ def pack_ue8m0_rows(scales: torch.Tensor) -> torch.Tensor:
 
 
 def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
-    """fp32 values on the e2m1 grid [..., D] as DeepGEMM's packed FP4 (int8 [..., D / 2]): element 2i in the low
-    nibble, 2i + 1 in the high one; a nibble is sign << 3 | code, zero always code 0 (no negative zero)."""
-    grid = torch.tensor(E2M1_GRID, device=values.device)
-    mag = values.float().abs()
-    code = torch.searchsorted(grid, mag.contiguous()).clamp_max(7).to(torch.uint8)
-    code = code | (((values < 0) & (code != 0)).to(torch.uint8) << 3)
-    return (code[..., 0::2] | (code[..., 1::2] << 4)).view(torch.int8)
+    """fp32 values on the e2m1 grid [..., D] as DeepGEMM's packed FP4 (int8 [..., D / 2]): the bytes of
+    `contract.cache.pack_e2m1` (element 2i in the low nibble, ``sign << 3 | code``), as the int8 DeepGEMM takes."""
+    return pack_fp4_bytes(values).view(torch.int8)
 
 
 def unfold_fp4_rows(x_fp8: torch.Tensor, row_scale: torch.Tensor | None, block: int = FP4_LOGITS_BLOCK
@@ -92,3 +87,83 @@ def make_fp4_ragged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable
 
     ragged_mqa_logits_fp4.api = api  # type: ignore[attr-defined]
     return ragged_mqa_logits_fp4
+
+
+def make_fp4_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
+    """Decode logits over V4's FP4 pages (``paged64_fp4_e2m1``, 68 bytes per token: DeepGEMM's own paged FP4 layout,
+    passed as is) through ``fp8_fp4_paged_mqa_logits`` with q's scales given (FP4 q; DeepGEMM runs it on sm100 only).
+    Same signature and result as the `paged_mqa_logits` op: q [B, N, H, 128] is the library's folded fp8 q (its row
+    scale in ``weights``), unfolded exactly (`unfold_fp4_rows`) into packed e2m1 int8 [B, N, H, 64] and one int32 of
+    four ue8m0 block scales per (row, head). 2-D context lengths, schedule metadata once per step (shared with the
+    layers through `step_memo`), the tail past each row's length masked here (``clean_logits=False``, as the fp8
+    adapter: DeepGEMM leaves garbage there)."""
+    if api.paged_fn != PAGED_NEW:
+        raise RuntimeError(f"{api.describe()} has no FP4 paged logits ({PAGED_NEW} with {METADATA}, DeepGEMM 2.x)")
+    kernel = getattr(module, PAGED_NEW)
+    metadata = getattr(module, METADATA)
+    extra: dict[str, Any] = {}
+    if "clean_logits" in api.paged_params:
+        extra["clean_logits"] = False
+    if "logits_dtype" in api.paged_params:
+        extra["logits_dtype"] = torch.float32
+
+    def schedule(context_lens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        num_sms = _num_sms(module, device)
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            # Rows with no visible key would make DeepGEMM fault: one key to read; the mask below uses the true ones.
+            lens = context_lens.contiguous().clamp_min(1)
+            return lens, metadata(lens, PAGE_SIZE, num_sms)
+
+        return step_memo(context_lens, ("deepgemm_fp4_paged_schedule", num_sms), compute)
+
+    def paged_mqa_logits_fp4(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                             context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int
+                             ) -> torch.Tensor:
+        if q.shape[-1] != 4 * FP4_LOGITS_BLOCK:
+            raise IndexerInputError(f"the FP4 paged logits adapter takes head dim 128 (4 blocks of 32), got "
+                                    f"{q.shape[-1]}")
+        if kv_cache.shape[-1] != FP4_BYTES_PER_TOKEN:
+            raise IndexerInputError(f"the FP4 paged logits adapter reads the paged64_fp4_e2m1 pages "
+                                    f"({FP4_BYTES_PER_TOKEN} bytes per token), got {kv_cache.shape[-1]} per token")
+        if ranges_checked(context_lens) and not bool((context_lens[:, -1:] >= context_lens).all()):
+            raise IndexerInputError(f"{api.describe()} computes keys up to context_lens[b, -1] for every row of "
+                                    "request b: context_lens[b, j] must be <= context_lens[b, -1]")
+        q_values, q_blocks = unfold_fp4_rows(q, None)
+        q_arg = (pack_e2m1(q_values).contiguous(), pack_ue8m0_rows(q_blocks).contiguous())
+        lens, meta = schedule(context_lens, q.device)
+        logits = kernel(q_arg, kv_cache, weights.float().contiguous(), lens, block_table, meta, max_context_len,
+                        **extra)
+        mask_tail_(logits, context_lens.reshape(-1))
+        return logits if logits.is_contiguous() else logits.contiguous()
+
+    paged_mqa_logits_fp4.api = api  # type: ignore[attr-defined]
+    return paged_mqa_logits_fp4
+
+
+def check_fp4_paged_adapter(adapter: Callable[..., torch.Tensor], device: torch.device | str) -> None:
+    """Run ``adapter`` once on fresh random FP4 keys and folded FP4 q against the reference (the factory's self-test
+    on the GPU: the adapter has never run on a real sm100; a failure rejects it and resolution moves on)."""
+    from ...contract.cache import IndexKCache, store_fp4_rows
+    from ..reference import kernels as ref
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    pages, batch, next_n, heads = 6, 2, 2, 64
+    values, scales = ref.quant_fp4_e2m1(torch.randn(pages * 64, 128, generator=gen), FP4_LOGITS_BLOCK)
+    cache = IndexKCache.allocate(pages, layout="paged64_fp4_e2m1")
+    store_fp4_rows(cache.data, torch.arange(pages * 64), values, scales)
+    q, row_scale = ref.rotate_quant_fp4(torch.randn(batch, next_n, heads, 128, generator=gen), FP4_LOGITS_BLOCK)
+    weights = torch.randn(batch * next_n, heads, generator=gen) * row_scale.reshape(batch * next_n, heads)
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(batch, 3)
+    lens = torch.tensor([[99, 100], [190, 191]], dtype=torch.int32)
+    args = [t.to(device) for t in (q, cache.data, weights, lens, table)]
+    got = adapter(*args, 192).cpu()
+    want = ref.paged_mqa_logits(q, cache.data, weights, lens, table, 192)
+    if got.shape != want.shape or not torch.equal(torch.isneginf(got), torch.isneginf(want)):
+        raise RuntimeError("the DeepGEMM FP4 paged logits differ from the reference in shape or -inf pattern")
+    visible = ~torch.isneginf(want)
+    diff = float((got[visible] - want[visible]).abs().max())
+    bound = 2e-3 * float(want[visible].abs().max())
+    if not diff <= bound:
+        raise RuntimeError(f"the DeepGEMM FP4 paged logits differ from the reference: max |diff| {diff:.3g} > "
+                           f"{bound:.3g}")
