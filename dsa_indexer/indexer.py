@@ -658,13 +658,7 @@ class Indexer(nn.Module):
             return self._all_visible(batch.ke - batch.ks)
         keys, key_scales = cache.gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
-        chunks = chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
-        if len(chunks) > 1 and out.is_cuda:
-            # A budget-sized block, allocated and freed at once, stays in torch's caching allocator: every chunk's
-            # logits (at most the budget; each a little wider than the last as the keys grow) are carved out of it,
-            # not cudaMalloc'ed afresh whenever no cached block is large enough (the first call of a long prefill).
-            torch.empty(self.logits_budget_bytes, dtype=torch.uint8, device=out.device)
-        for start, stop, lo, hi in chunks:
+        for start, stop, lo, hi in chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes):
             q_fp8, weights = q_of(start, stop)
             ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
             out[start:stop] = plan.run("score", "ragged_mqa_topk", q_fp8, keys[lo:hi], key_scales[lo:hi], weights,
