@@ -15,7 +15,7 @@ from .contract.cache import decode_row_requests
 from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .dispatch.target import Target
-from .pipeline import register_single_stream
+from .pipeline import register_single_stream, register_x_projections_torch
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
 # The prefill composition outranks the Triton fused ragged top-k (1): it measured faster on the H200 at every size
@@ -81,3 +81,4 @@ def dsa_indexer_register(registry: Registry) -> None:
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
                             takes_target=True)(lambda: make_lightning_indexer_composed(inner))
     register_single_stream(registry)
+    register_x_projections_torch(registry)

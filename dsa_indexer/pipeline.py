@@ -204,6 +204,18 @@ def plain_cache_only(problem, target) -> str | None:
     return None if layout in PLAIN_LAYOUT_FORMATS else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
 
 
+def x_projections_torch(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.x_projections` as torch's own two GEMMs (F.linear; x widened for an fp32 weights_proj): what the step ran
+    before the op existed, on every target's native GEMM (cuBLAS, hipBLAS, the NPU's), so no target falls back."""
+    return F.linear(x.float() if weights_proj.dtype == torch.float32 else x, weights_proj), F.linear(x, wk)
+
+
+def register_x_projections_torch(registry) -> None:
+    registry.implementation("x_projections", impl_id="x_projections.generic.torch", targets=("*",), priority=1,
+                            description="two F.linear calls (torch's GEMMs, any target)")(lambda: x_projections_torch)
+
+
 def register_single_stream(registry) -> None:
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.single_stream", targets=("*",),
                             priority=0, supports=fp8_cache_only,

@@ -55,6 +55,7 @@ UNREGISTERED = {
     "k_prologue_store": "writes the fp8 cache; k_prologue_store_plain.npu.torch_npu writes the plain layouts",
     "gemm_fp8_blockscale": "no e4m3 block-scaled GEMM in torch_npu; the plain layouts' q path runs wq_b in bf16",
     "c4_compress_pool": "the reference pooling runs on NPU tensors; no torch_npu kernel matches V4's compressor",
+    "x_projections": "torch's two GEMMs (x_projections.generic.torch) run on NPU tensors; no torch_npu kernel fuses them",
 }
 
 

@@ -21,6 +21,8 @@ TRITON_PRIORITY = 100
 # DSA_INDEXER_FORCE=ragged_mqa_topk=ragged_mqa_topk.triton.fused_topk.
 FUSED_TOPK_PRIORITY = 1
 TRITON_TARGETS = ("sm90", "sm100", "sm120", "gfx942", "gfx950", "gfx1250")
+# Measured on NVIDIA only (the H200): these register for the sm archs; AMD keeps torch's GEMMs (generic).
+NVIDIA_ONLY = {"x_projections": ("sm90", "sm100", "sm120")}
 
 # op -> (module in this package, function name)
 KERNELS = {
@@ -87,7 +89,8 @@ def dsa_indexer_register(registry: Registry) -> None:
         # The GEMM states the activation layout it takes (per-token groups of 128, fp32 row-major scales, the
         # target's fp8 flavour): what a reusable q_lora_quant must match, on NVIDIA and AMD alike.
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
-        registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=TRITON_TARGETS, priority=TRITON_PRIORITY,
+        registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=NVIDIA_ONLY.get(op, TRITON_TARGETS),
+                                priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), capabilities=_capabilities(op),
                                 description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
     registry.implementation("paged_mqa_logits", impl_id="paged_mqa_logits.triton.logits_fp4", targets=TRITON_TARGETS,
