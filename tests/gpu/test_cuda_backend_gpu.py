@@ -32,14 +32,6 @@ MAX_CTX = 8192
 PAGES_PER_REQ = MAX_CTX // PAGE_SIZE
 
 
-@pytest.fixture(autouse=True)
-def _fp32_reference_matmul():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.fixture
 def forced():
     """Force implementations for one test; every force is lifted afterwards."""

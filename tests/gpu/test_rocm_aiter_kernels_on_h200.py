@@ -101,15 +101,6 @@ def head_shim():
         yield module
 
 
-@pytest.fixture(autouse=True)
-def _fp32_reference_matmul():
-    """The reference's einsums must run in true fp32 (no TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _check_logits(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert out.shape == expected.shape and out.dtype == torch.float32
     assert not torch.isnan(out).any()

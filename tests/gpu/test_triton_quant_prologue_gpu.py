@@ -38,15 +38,6 @@ def device() -> str:
     return "cuda"
 
 
-@pytest.fixture(autouse=True)
-def _fp32_reference_matmul():
-    """The reference's Hadamard and GEMM must run in true fp32 (no TF32)."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _fp8_dtype() -> torch.dtype:
     if torch.version.hip and "gfx942" in torch.cuda.get_device_properties(0).gcnArchName:
         return torch.float8_e4m3fnuz

@@ -2,8 +2,6 @@
 the float64 oracle of `v4_oracle` (written from the public description) for chunked prefill + speculative decode,
 the CUDA-graph decode with its compressor state, and the dual-stream strategy, which must equal single-stream."""
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -26,14 +26,6 @@ REFERENCE = "x_projections.reference.torch"
 TRITON = "x_projections.triton.xproj"
 
 
-@pytest.fixture(autouse=True)
-def _fp32_reference_matmul():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def _inputs(rows: int, seed: int, wp_dtype=torch.float32):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
