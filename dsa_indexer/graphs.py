@@ -6,8 +6,9 @@
 Vendor-neutral: `torch.cuda.CUDAGraph` is also HIP graphs on ROCm. What is static and what is derived:
 - static input buffers: ``x`` [B*N, hidden], ``q_lora`` [B*N, q_lora_rank], ``seq_lens`` [B] int32 (tokens of each
   request including its N new ones) and ``block_table`` [B, max_pages] int32;
-- derived INSIDE the graph with torch ops (no host sync, no ``.item()``): positions, context_lens, slot_mapping
-  (`DecodeBuffers.derive`). The metadata kernels are part of the replay, so each replay sees its own lengths.
+- derived INSIDE the graph (no host sync, no ``.item()``): positions, context_lens, slot_mapping, state slots
+  (`DecodeBuffers.derive`, the `decode_metadata` op: one Triton launch on a GPU). It is part of the replay, so each
+  replay sees its own lengths.
 - V4 C4: the layer's `CompressorState` is given at capture; ``state_slots`` [B] (default 0..B-1) is a static
   buffer too. Every row goes through the compressor's window gather (the graph cannot know which rows complete an
   entry); rows that complete none store nothing.
@@ -30,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from . import ops
 from .batch import DecodeBatch
 from .contract.cache import PAGE_SIZE, IndexKCache
 from .config import IndexerConfig
@@ -48,8 +50,8 @@ class DecodeBuffers:
     q_lora: torch.Tensor  # [B*N, q_lora_rank]
     seq_lens: torch.Tensor  # [B] int32, 0 = padding request
     block_table: torch.Tensor  # [B, max_pages] int32
-    offsets: torch.Tensor  # [N] int64: 0..N-1
     row_request: torch.Tensor  # [B*N] int32
+    all_rows: torch.Tensor  # [B*N] int64: 0..B*N-1, the C4 compressor's rows (every row, see the module docstring)
     state_slots: torch.Tensor  # [B] int64 CompressorState slot of each request (C4), -1 for padding requests
     num_state_slots: int  # slots of the captured CompressorState (C4)
     max_context_len: int
@@ -68,8 +70,8 @@ class DecodeBuffers:
             q_lora=torch.zeros(rows, cfg.q_lora_rank, dtype=indexer.dtype, device=device),
             seq_lens=torch.zeros(batch_size, dtype=torch.int32, device=device),
             block_table=torch.zeros(batch_size, max_pages, dtype=torch.int32, device=device),
-            offsets=torch.arange(next_n, dtype=torch.int64, device=device),
             row_request=torch.arange(batch_size, dtype=torch.int32, device=device).repeat_interleave(next_n),
+            all_rows=torch.arange(rows, dtype=torch.int64, device=device),
             state_slots=torch.arange(batch_size, dtype=torch.int64, device=device), num_state_slots=batch_size,
             max_context_len=max_context_len, next_n=next_n, compress_ratio=cfg.compress_ratio,
             max_position=cfg.max_position)
@@ -82,35 +84,21 @@ class DecodeBuffers:
     def max_pages(self) -> int:
         return self.block_table.shape[1]
 
-    def derive(self) -> DecodeBatch:
-        """The DecodeBatch of the current buffer contents, computed with device ops only (capturable).
+    def derive(self, target=None) -> DecodeBatch:
+        """The DecodeBatch of the current buffer contents, computed with device ops only (capturable): the
+        `decode_metadata` op (one Triton launch on a GPU, torch ops elsewhere). ``target``: where it resolves
+        (default: the buffers' device).
 
         Same values as `DecodeBatch.build` for valid requests; rows with a negative position are padding."""
         n, ratio = self.next_n, self.compress_ratio
-        pos = self.seq_lens.long()[:, None] - n + self.offsets[None, :]  # [B, N]
-        valid = pos >= 0
-        pos = pos.clamp_min(0)
-        keys = (pos + 1) // ratio
-        context_lens = torch.where(valid, keys, torch.zeros_like(keys)).to(torch.int32)
+        context_lens, positions, slots, state_slot = ops.decode_metadata(
+            self.seq_lens, self.block_table, self.state_slots, next_n=n, compress_ratio=ratio, target=target)
         if ratio == 1:
-            # Clamped page index: out-of-range lengths (only checkable on the host) must not fault the gather.
-            page_col = (pos // PAGE_SIZE).clamp_max(self.max_pages - 1)
-            pages = torch.gather(self.block_table, 1, page_col).long()
-            slots = torch.where(valid, pages * PAGE_SIZE + pos % PAGE_SIZE, torch.full_like(pos, -1))
-            return DecodeBatch(context_lens, self.block_table, pos.reshape(-1), slots.reshape(-1), self.row_request,
+            return DecodeBatch(context_lens, self.block_table, positions, slots, self.row_request,
                                self.max_context_len, n, ratio)
-        # C4: a row at position p stores entry p // ratio when (p + 1) % ratio == 0.
-        completes = valid & ((pos + 1) % ratio == 0)
-        entry = pos // ratio
-        page_col = (entry // PAGE_SIZE).clamp_max(self.max_pages - 1)
-        pages = torch.gather(self.block_table, 1, page_col).long()
-        slots = torch.where(completes, pages * PAGE_SIZE + entry % PAGE_SIZE, torch.full_like(pos, -1))
-        request_slot = self.state_slots[:, None].expand(-1, n)
-        state_slot = torch.where(valid, request_slot, torch.full_like(request_slot, -1))
-        rows = torch.arange(pos.numel(), device=pos.device)
-        return DecodeBatch(context_lens, self.block_table, pos.reshape(-1), slots.reshape(-1), self.row_request,
-                           self.max_context_len, n, ratio, rows, state_slot.reshape(-1),
-                           self.num_state_slots - 1)
+        # C4: every row goes through the compressor's window gather (rows that complete no entry store nothing).
+        return DecodeBatch(context_lens, self.block_table, positions, slots, self.row_request,
+                           self.max_context_len, n, ratio, self.all_rows, state_slot, self.num_state_slots - 1)
 
     def load(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor, state_slots: torch.Tensor | None = None) -> int:
@@ -210,13 +198,13 @@ class DecodeGraph:
             raise IndexerInputError(f"the indexer's weights are on {indexer.cos_sin.device}, the cache on {device}")
         buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device)
         if indexer.compressor is not None:
-            indexer.compression_step(buffers.derive(), compressor_state)  # the same checks, before capture
+            indexer.compression_step(buffers.derive(indexer.target), compressor_state)  # the same checks, before capture
             buffers.num_state_slots = compressor_state.num_slots
         elif compressor_state is not None:
             raise IndexerInputError("compressor_state is only for C4 indexers (compress_ratio 4)")
 
         def step() -> torch.Tensor:
-            batch = buffers.derive()
+            batch = buffers.derive(indexer.target)
             return indexer.forward(buffers.x, buffers.q_lora, batch.positions, batch, cache,
                                    compressor_state=compressor_state)
 

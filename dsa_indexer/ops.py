@@ -675,4 +675,34 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
     return x, weights_proj, wk
 
 
+
+@declare("(Tensor seq_lens, Tensor block_table, Tensor state_slots, int next_n, int compress_ratio) "
+         "-> (Tensor, Tensor, Tensor, Tensor)",
+         facts={"next_n": "next_n", "compress_ratio": "compress_ratio"},
+         fake=lambda seq_lens, block_table, state_slots, next_n, compress_ratio: (
+             seq_lens.new_empty((seq_lens.shape[0], next_n), dtype=torch.int32),
+             *(seq_lens.new_empty(seq_lens.shape[0] * next_n, dtype=torch.int64) for _ in range(3))))
+def decode_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, state_slots: torch.Tensor, *,
+                    next_n: int = 1, compress_ratio: int = 1, target: Target | str | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's batch metadata from device ``seq_lens`` [B] (tokens of each request including its
+    ``next_n`` new ones; 0 = padding request), ``block_table`` [B, pages] int32 and ``state_slots`` [B] (C4
+    `CompressorState` slot per request), with device ops only (capturable in a CUDA graph): ``(context_lens
+    [B, next_n] int32, positions [B * next_n] int64, slot_mapping [B * next_n] int64, state_slot [B * next_n]
+    int64)``. Row ``b * next_n + j`` is token ``p = seq_lens[b] - next_n + j``; it sees ``(p + 1) // ratio`` keys
+    and stores key ``p // ratio`` (page ``block_table[b, (p // ratio) // 64]``) when ``(p + 1) % ratio == 0``, else
+    slot -1. A row with ``p < 0`` is padding: position 0, no key, slot -1, state slot -1. Page columns are clamped
+    to the table (lengths are checked on the host, `DecodeBuffers.load`), so no gather leaves the table."""
+    v.tensor("seq_lens", seq_lens, dtype=(torch.int32, torch.int64), ndim=1)
+    batch = seq_lens.shape[0]
+    v.tensor("block_table", block_table, dtype=torch.int32, ndim=2, shape=(batch, None), device=seq_lens.device)
+    if block_table.shape[1] < 1:
+        raise v.IndexerInputError("block_table must have at least one page column")
+    v.tensor("state_slots", state_slots, dtype=(torch.int32, torch.int64), shape=(batch,), device=seq_lens.device)
+    v.positive_int("next_n", next_n)
+    if compress_ratio not in (1, 4):
+        raise v.IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio!r}")
+    v.in_range("seq_lens", seq_lens, 0, 2**31, "tokens per request, 0 for a padding request")
+    return seq_lens.contiguous(), block_table, state_slots.contiguous(), next_n, compress_ratio
+
 OPS = tuple(OPERATORS)

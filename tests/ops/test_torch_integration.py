@@ -45,6 +45,7 @@ def _cases():
         "k_prologue_store": (torch.randn(t, 128, dtype=torch.bfloat16), torch.randn(128), torch.randn(128), 1e-6,
                              torch.arange(t), cos_sin, cache.data, slots, 0, False, True, FP8, "layernorm"),
         "x_projections": (x, torch.randn(h, 256), torch.randn(128, 256, dtype=torch.bfloat16)),
+        "decode_metadata": (torch.tensor([70, 129], dtype=torch.int32), table, torch.tensor([1, 0]), 2, 4),
         "gemm_fp8_blockscale": (a, torch.rand(t, 2), torch.randn(256, 256).to(FP8), torch.rand(2, 2),
                                 torch.bfloat16),
         "ragged_mqa_logits": (torch.randn(4, h, 128).to(FP8), torch.randn(9, 128).to(FP8), torch.rand(9),

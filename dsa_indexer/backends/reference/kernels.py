@@ -446,3 +446,24 @@ def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
     roped = apply_rope(q.float(), positions, cos_sin, rope_offset, interleaved).to(q.dtype)
     q_fp8, row_scale = rotate_quant_fp4(roped, block, fp8_dtype)
     return q_fp8, head_weights.float() * weight_scale * row_scale
+
+
+def decode_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, state_slots: torch.Tensor, next_n: int,
+                    compress_ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row (b, j) is token ``seq_lens[b] - next_n + j``; a negative position is a padding row (no key, no store,
+    state slot -1). Positions are clamped to 0 and page columns to the table's width, so a padding row or a length
+    only the host could check never makes an out-of-range gather."""
+    n, ratio = next_n, compress_ratio
+    offsets = torch.arange(n, dtype=torch.int64, device=seq_lens.device)
+    pos = seq_lens.long()[:, None] - n + offsets[None, :]  # [B, N]
+    valid = pos >= 0
+    pos = pos.clamp_min(0)
+    context_lens = torch.where(valid, (pos + 1) // ratio, torch.zeros_like(pos)).to(torch.int32)
+    stores = valid if ratio == 1 else valid & ((pos + 1) % ratio == 0)  # C4: (p + 1) % 4 == 0 completes entry p // 4
+    entry = pos // ratio
+    page_col = (entry // PAGE_SIZE).clamp_max(block_table.shape[1] - 1)
+    pages = torch.gather(block_table, 1, page_col).long()
+    slots = torch.where(stores, pages * PAGE_SIZE + entry % PAGE_SIZE, torch.full_like(pos, -1))
+    request_slot = state_slots.long()[:, None].expand(-1, n)
+    state_slot = torch.where(valid, request_slot, torch.full_like(request_slot, -1))
+    return context_lens, pos.reshape(-1), slots.reshape(-1), state_slot.reshape(-1)

@@ -37,6 +37,7 @@ KERNELS = {
     "paged_mqa_logits": ("logits", "paged_mqa_logits"),
     "topk_indices": ("topk", "topk_indices"),
     "c4_compress_pool": ("compressor", "c4_compress_pool"),
+    "decode_metadata": ("metadata", "decode_metadata"),  # a graph decode step's positions, lengths, slots: 1 launch
 }
 
 
