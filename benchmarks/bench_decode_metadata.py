@@ -7,6 +7,10 @@ Per (B, context), timed like the bench (`dsa_indexer.bench.timing.Timer`: CUDA-g
 block table: what a graph-decode engine step computes once for every layer), for V3.2 (ratio 1) and V4-Flash's C4
 (ratio 4); its kernel count is read from torch.profiler. The DeepGEMM schedule metadata, also once per step, is in
 the decode step's profile (benchmarks/profile_decode_step.py).
+
+``--graph-step`` also times a whole captured `DecodeGraph` step of V3.2 (seeded random weights, random fp8 keys
+in the cache, random lengths in [ctx / 2, ctx]): the replay of the graph that derives its batch and runs the layer,
+timed by CUDA events around `CUDAGraph.replay` with L2 flushed before each (the derive's share is ``derive``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from dsa_indexer import Indexer, IndexerConfig  # noqa: E402
 from dsa_indexer.bench.timing import Timer  # noqa: E402
+from dsa_indexer.contract.cache import PAGE_SIZE, IndexKCache, page_views  # noqa: E402
 from dsa_indexer.graphs import DecodeBuffers  # noqa: E402
 
 
@@ -50,12 +55,34 @@ def measure(cfg: IndexerConfig, batch: int, context: int, timer: Timer) -> dict:
             "kernels": kernels_per_call(buffers.derive)}
 
 
+def graph_step(batch: int, context: int, timer: Timer) -> dict:
+    """One captured V3.2 DecodeGraph step (derive + the layer), replayed with random lengths."""
+    device = torch.device("cuda")
+    cfg = IndexerConfig.deepseek_v32()
+    indexer = Indexer(cfg, device=device).init_random(0)
+    pages = -(-context // PAGE_SIZE)
+    cache = IndexKCache.allocate(batch * pages, device, indexer.fp8_dtype)
+    keys, scales = page_views(cache.data, indexer.fp8_dtype)
+    keys.copy_(torch.randn(keys.shape, device=device).to(indexer.fp8_dtype))
+    scales.copy_(torch.rand(scales.shape, device=device) + 0.5)
+    graph = indexer.capture_decode(cache, batch, context)
+    seq_lens = torch.randint(context // 2, context + 1, (batch,), dtype=torch.int32, device=device)
+    table = torch.randperm(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+    x = torch.randn(batch, cfg.hidden_size, device=device).to(indexer.dtype)
+    q_lora = torch.randn(batch, cfg.q_lora_rank, device=device).to(indexer.dtype)
+    graph.replay(x, q_lora, seq_lens, table)
+    timing = timer(graph.graph.replay)
+    return {"model": cfg.name, "batch": batch, "context": context, "graph_step_us": float(timing),
+            "graph_step_spread_us": [min(timing.samples), max(timing.samples)], "timing_mode": timer.mode}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 131072])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--graph-step", action="store_true", help="also time a whole captured DecodeGraph step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode_metadata.py needs a CUDA GPU (torch sees none)", file=sys.stderr)
@@ -69,6 +96,13 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{row['model']:18s} B={batch:<4d} ctx={context:<7d} derive {row['derive_us']:6.2f} us "
                       f"({row['kernels']} kernels; {row['timing_mode']})", flush=True)
+    if args.graph_step:
+        for context in args.context:
+            for batch in args.batch:
+                row = graph_step(batch, context, timer)
+                rows.append(row)
+                print(f"{row['model']:18s} B={batch:<4d} ctx={context:<7d} DecodeGraph step {row['graph_step_us']:7.2f} "
+                      f"us ({row['timing_mode']})", flush=True)
     if args.json:
         command = "python3 benchmarks/bench_decode_metadata.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")

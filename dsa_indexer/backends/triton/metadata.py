@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ...contract.cache import PAGE_SIZE
 
-BLOCK_ROWS = 256  # rows per program: a 128-request x next_n 2 step is one program
+BLOCK_ROWS = 64  # rows per program: a 128-request step is two programs (their dependent loads overlap)
 
 
 @triton.jit
