@@ -85,10 +85,17 @@ def q_path(plan: StepPlan, x: torch.Tensor, q_lora: torch.Tensor, positions: tor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """wq_b + RoPE + Hadamard + fp8 quant of q; ``head_weights`` is ``weights_proj(x)`` when the caller already
     has it (`project_x`)."""
-    cfg = plan.config
     if head_weights is None:
         head_weights = project_head_weights(plan, x)
-    q = project_q(plan, q_lora, q_lora_quant).view(-1, cfg.n_heads, cfg.head_dim)
+    return quantize_q(plan, project_q(plan, q_lora, q_lora_quant), positions, head_weights)
+
+
+def quantize_q(plan: StepPlan, q: torch.Tensor, positions: torch.Tensor, head_weights: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE + Hadamard + fp8 quant of ``q = wq_b(q_lora)`` [T, H * D], the head weights folded with its scales:
+    the q path after its GEMM (a strategy may run the GEMM before ``head_weights`` exist)."""
+    cfg = plan.config
+    q = q.view(-1, cfg.n_heads, cfg.head_dim)
     if cfg.key_quant == "fp4_e2m1":  # V4's FP4 recipe (dsa_indexer.fp4)
         return plan.run("q_prologue", "q_prologue_fp4", q, positions, plan.weights.cos_sin, head_weights,
                         plan.weight_scale, plan.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
@@ -179,6 +186,8 @@ class PipelineSteps:
     project_x = staticmethod(project_x)
     project_head_weights = staticmethod(project_head_weights)
     project_k = staticmethod(project_k)
+    project_q = staticmethod(project_q)
+    quantize_q = staticmethod(quantize_q)
     q_path = staticmethod(q_path)
     k_path = staticmethod(k_path)
     single_stream = staticmethod(single_stream)

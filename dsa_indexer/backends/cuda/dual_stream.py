@@ -4,23 +4,28 @@ For small token counts (decode, speculative verify) the kernels of one step are 
 the q path (weights_proj, wq_b, q prologue) and the k path (wk, k prologue + cache store) do not depend on each
 other until the logits. Schedule (indexer spec, section 5), issued in this order:
 
-    main: pipeline.project_x(...)    # [weights_proj; wk] as one GEMM (StepPlan.fuse_x_projections, the default)
-    alt.wait_stream(main)            # alt sees x, k, positions, the key store and the cache as main left them
-    main: pipeline.q_path(...)       # wq_b GEMM, RoPE + Hadamard + fp8 quant of q
+    alt.wait_stream(main)            # alt sees x, positions, the key store and the cache as main left them
+    alt:  pipeline.project_x(...)    # [weights_proj; wk] from one read of x (StepPlan.fuse_x_projections, default)
     alt:  pipeline.k_path(...)       # k_norm, RoPE + Hadamard + fp8 quant of k, store into the cache
-                                     # (V4 C4: the compressor's step, which also rolls its state forward)
-    main.wait_stream(alt)            # the logits that follow on main see this step's keys
+    main: pipeline.project_q(...)    # the q_lora quant (unless reused) and the wq_b GEMM: no wait for x's GEMMs
+    main.wait_stream(alt)            # the head weights, and this step's keys for the logits that follow on main
+    main: pipeline.quantize_q(...)   # RoPE + Hadamard + fp8 quant of q, head weights folded with its scales
 
-With ``fuse_x_projections=False`` the two projections run as separate GEMMs, weights_proj on main and wk on alt.
+H200, V3.2 1x8K: x projections 7.6 us, wq_b with its quant 8.8 us, so moving the projections off main takes them
+off the critical path (before, main ran them ahead of wq_b).
+With ``fuse_x_projections=False`` (V4 C4, a block-fp8 wk) the q path runs whole on main (weights_proj first) and
+the k path (wk or the compressor's step, which also rolls its state forward) on alt.
 
 The steps are `pipeline.q_path` and `pipeline.k_path` themselves, so every kernel gets the same inputs as under
 `single_stream` and the result is bit-identical. One alt stream per device, created on first use and reused, so a
 captured CUDA graph holds exactly two streams whatever the number of layers.
 
 Memory safety without ``record_stream``: the tensors alt reads or writes (x, positions, the key store: slots or
-the C4 compressor's step and its state, the cache, the weights) belong to the caller and stay alive until this function returns, which is after ``main.wait_stream(alt)``;
-any later reuse of their memory by main is ordered after alt's work. Temporaries the k path allocates on alt are
-freed back to alt's pool and reused only by later work on alt; nothing made on alt is returned to main.
+the C4 compressor's step and its state, the cache, the weights) belong to the caller and stay alive until this
+function returns, which is after ``main.wait_stream(alt)``; any later reuse of their memory by main is ordered
+after alt's work. Temporaries allocated on alt go back to alt's pool and are reused only by later work on alt,
+which every step issues after ``alt.wait_stream(main)``. The one tensor made on alt that main reads, the head
+weights, is read by main before the next such wait, so its block cannot be rewritten under that read.
 
 Knobs, read when the registry first resolves the strategy (resolutions are cached; `Registry.clear_cache()`
 re-reads them):
@@ -151,16 +156,26 @@ def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager]
             return steps.single_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
         alt = alt_stream(x.device)
-        head_weights = k = None
-        if plan.fuse_x_projections:
-            head_weights, k = steps.project_x(plan, x)  # one GEMM on main; the k path starts from its output
         alt.wait_stream(main)
-        with gemm_limit() if gemm_limit is not None else contextlib.nullcontext():
-            q_fp8, weights = steps.q_path(plan, x, q_lora, positions, q_lora_quant, head_weights)
+        limit = gemm_limit() if gemm_limit is not None else contextlib.nullcontext()
+        if not plan.fuse_x_projections:
+            with limit:
+                q_fp8, weights = steps.q_path(plan, x, q_lora, positions, q_lora_quant)
+            with torch.cuda.stream(alt):
+                steps.k_path(plan, x, positions, key_store, kv_cache)
+            main.wait_stream(alt)
+            return q_fp8, weights
+        # The x projections (head weights and k) head the k path on alt, so main starts on wq_b at once: the q
+        # prologue is the first kernel that needs the head weights. head_weights is made on alt and read on main
+        # after the join; its block goes back to alt's pool when the caller drops it, and alt's next work comes
+        # after the next step's alt.wait_stream(main), which orders it after every read here.
         with torch.cuda.stream(alt):
+            head_weights, k = steps.project_x(plan, x)
             steps.k_path(plan, x, positions, key_store, kv_cache, k)
+        with limit:
+            q = steps.project_q(plan, q_lora, q_lora_quant)
         main.wait_stream(alt)
-        return q_fp8, weights
+        return steps.quantize_q(plan, q, positions, head_weights)
 
     return dual_stream
 
