@@ -10,8 +10,11 @@ other rows), it is listed in ``compress_rows``, and ``state_slot`` names the `Co
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from math import isqrt
 
+import numpy as np
 import torch
 
 from .contract.cache import PAGE_SIZE
@@ -96,6 +99,133 @@ def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
     if bool((slots < 0).any()) or slots.unique().numel() != slots.numel():
         raise IndexerInputError("state_slots must be distinct and >= 0 (one CompressorState slot per request)")
     return slots
+
+
+def _non_negative_int(name: str, value) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise IndexerInputError(f"{name} must be an int >= 0 (bytes), got {type(value).__name__} {value!r}") from None
+    if number < 0:
+        raise IndexerInputError(f"{name} must be an int >= 0 (bytes), got {number}")
+    return number
+
+
+def _host_ints(bound: torch.Tensor) -> memoryview:
+    """Rows of a host int tensor as a memoryview: indexing it gives a Python int (~1.5x faster than
+    ``ndarray.item``, and no numpy scalar), which the planner reads a few times per chunk."""
+    return memoryview(bound.numpy())
+
+
+def _plan_row_chunks(ks_rows: torch.Tensor, ke_rows: torch.Tensor, budget: int, row_bytes: int, key_bytes: int,
+                     ratio: int) -> list[tuple[int, int, int, int]]:
+    """`PrefillBatch.plan_chunks`' chunks for non-decreasing ``ks`` / ``ke``. The chunk from ``start`` with n rows
+    costs ``cost(n) = n * ((ke[start + n - 1] - ks[start]) * key_bytes + row_bytes)``, which never decreases in n,
+    so n is the largest one that fits exactly when ``cost(n) <= budget < cost(n + 1)`` (or n = 1, or the rows end).
+
+    Within one request ke grows by one key per ``ratio`` rows, so n is estimated by solving the quadratic
+    ``ratio * cost(n) ~= n * (ratio * (first row's bytes) + (n - 1) * key_bytes) <= ratio * budget`` in integers
+    (exact for ratio 1, within a row or two for ratio 4) and then checked against ke by those two conditions: two
+    adjacent reads. Where the estimate is off (the chunk reaches another request, or ke grows otherwise) a galloping
+    search from it finds n; the estimate only decides how many reads that takes, never the answer."""
+    ks, ke = _host_ints(ks_rows), _host_ints(ke_rows)
+    rows = len(ks)
+    plan: list[tuple[int, int, int, int]] = []
+    if rows == 0:
+        return plan
+    if key_bytes == 0:
+        # Every row costs row_bytes whatever its keys: chunks of one fixed length.
+        length = rows if row_bytes == 0 else max(1, budget // row_bytes)
+        return [(start, min(start + length, rows), ks[start], ke[min(start + length, rows) - 1])
+                for start in range(0, rows, length)]
+    append = plan.append
+    # The estimate's quadratic n^2 * a + n * b <= c: a = key_bytes, b = b_per_key * ke[start] + b_rest (b_rest takes
+    # the base and the row bytes), c = ratio * budget; floor((isqrt(b^2 + 4ac) - b) / 2a) is its integer root.
+    b_per_key = ratio * key_bytes
+    four_ac, twice_a = 4 * key_bytes * ratio * budget, 2 * key_bytes
+    start, ke_start = 0, ke[0]
+    base_until = 0  # ks[row] == base for start <= row < base_until
+    while start < rows:
+        if start >= base_until:
+            # A read of a far row touches a cold page; ks is constant over a request, so it is read per request.
+            base = ks[start]
+            base_until = _run_end(ks, start, rows)
+            offset = row_bytes - base * key_bytes  # a row's bytes = ke[row] * key_bytes + offset
+            b_rest = ratio * offset - key_bytes
+        b = b_per_key * ke_start + b_rest
+        stop = start + (isqrt(b * b + four_ac) - b) // twice_a
+        if stop >= rows:
+            stop = rows
+        elif stop <= start:
+            stop = start + 1
+        last = ke[stop - 1]
+        if (stop - start) * (last * key_bytes + offset) > budget and stop - start > 1:
+            stop = _search_stop(ke, start, offset, budget, key_bytes, rows, stop, fits=False)
+            last, ke_start = ke[stop - 1], ke[stop]  # stop < the failed probe <= rows
+        elif stop < rows:
+            ke_start = ke[stop]
+            if (stop + 1 - start) * (ke_start * key_bytes + offset) <= budget:
+                stop = _search_stop(ke, start, offset, budget, key_bytes, rows, stop + 1, fits=True)
+                last = ke[stop - 1]
+                if stop < rows:
+                    ke_start = ke[stop]
+        append((start, stop, base, last))
+        start = stop
+    return plan
+
+
+def _run_end(ks: memoryview, start: int, rows: int) -> int:
+    """The first row after ``start`` whose ks differs from ``ks[start]`` (``rows`` if none). ks never decreases, so
+    an equal read at a row proves every row before it equal: the last row first (one request), then a gallop."""
+    base = ks[start]
+    if ks[rows - 1] == base:
+        return rows
+    same, differs, step = start, rows - 1, 1
+    while same + step < differs and ks[same + step] == base:
+        same, step = same + step, step * 2
+    differs = min(differs, same + step)
+    while differs - same > 1:
+        middle = (same + differs) // 2
+        if ks[middle] == base:
+            same = middle
+        else:
+            differs = middle
+    return differs
+
+
+def _search_stop(ke: memoryview, start: int, offset: int, budget: int, key_bytes: int, rows: int, probe: int,
+                 fits: bool) -> int:
+    """The largest stop in ``(start, rows]`` whose rows ``[start, stop)`` fit (``start + 1`` always does), given
+    that ``probe``'s do (``fits``) or do not: gallop away from the probe in doubling steps until the answer is
+    bracketed, then bisect. O(log |error|) reads, so a rough estimate costs little."""
+
+    def fit(stop: int) -> bool:
+        return stop - start == 1 or (stop - start) * (ke[stop - 1] * key_bytes + offset) <= budget
+
+    step = 1
+    if fits:
+        good, bad = probe, rows + 1
+        while good < rows:
+            candidate = min(good + step, rows)
+            if not fit(candidate):
+                bad = candidate
+                break
+            good, step = candidate, step * 2
+    else:
+        good, bad = start + 1, probe
+        while bad - 1 > start + 1:
+            candidate = max(bad - step, start + 1)
+            if fit(candidate):
+                good = candidate
+                break
+            bad, step = candidate, step * 2
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if fit(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
 
 
 @dataclass(frozen=True)
@@ -234,40 +364,22 @@ class PrefillBatch:
         """Row chunks ``(start, stop, lo, hi)`` whose scoring memory, ``key_bytes`` per (row, key) of the chunk's
         ``[stop - start, hi - lo]`` window (4: its fp32 logits; 0 for a scorer that never holds them) plus
         ``row_bytes`` per row (the q path's intermediates, a fused scorer's candidates), fits ``budget_bytes`` (at
-        least one row each), from the host copies of ks / ke: no device sync, no per-row Python (one short search
-        per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed once per (budget, row
-        bytes, key bytes) and shared by every layer."""
+        least one row each): each chunk is the longest run of rows from its start that fits, with ``lo = ks[start]``
+        and ``hi = ke[stop - 1]``. From the host copies of ks / ke: no device sync, no per-row Python (a closed-form
+        estimate and two reads per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed
+        once per (budget, row bytes, key bytes) and shared by every layer."""
         if self._plans is None:
             self._plans = {}
         plan = self._plans.get((budget_bytes, row_bytes, key_bytes))
         if plan is not None:
             return plan
+        sizes = [_non_negative_int(name, value) for name, value in
+                 (("budget_bytes", budget_bytes), ("row_bytes", row_bytes), ("key_bytes", key_bytes))]
         if self.host_bounds is None:
             self.host_bounds = (self.ks.cpu().long(), self.ke.cpu().long())
-        ks, ke = (bound.numpy() for bound in self.host_bounds)
-        ks_at, ke_at = ks.item, ke.item  # Python ints without a numpy scalar each (~2x faster per read)
-        rows = ks.shape[0]
-        plan = []
-        start = 0
-        while start < rows:
-            # cost(stop) = (stop - start) * ((ke[stop - 1] - ks[start]) * key_bytes + row_bytes) never decreases
-            # (ke is non-decreasing). The answer n = stop - start is bracketed first: every row costs at least the
-            # first row's width, so n <= n_max; every row of the first n_max costs at most the last one's, so
-            # n_min fits. A binary search in [n_min, n_max] (a few steps: ke barely moves within a chunk).
-            base = ks_at(start)
-            first = (ke_at(start) - base) * key_bytes + row_bytes
-            n_max = min(rows - start, max(1, budget_bytes // first if first > 0 else rows))
-            widest = (ke_at(start + n_max - 1) - base) * key_bytes + row_bytes
-            lo = start + max(1, min(n_max, budget_bytes // widest if widest > 0 else n_max))
-            hi = start + n_max
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if (mid - start) * ((ke_at(mid - 1) - base) * key_bytes + row_bytes) <= budget_bytes:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            plan.append((start, lo, base, ke_at(lo - 1)))
-            start = lo
+        ks, ke = self.host_bounds
+        ratio = self.compress_ratio if isinstance(self.compress_ratio, int) and self.compress_ratio >= 1 else 1
+        plan = _plan_row_chunks(ks, ke, *sizes, ratio)
         self._plans[(budget_bytes, row_bytes, key_bytes)] = plan
         return plan
 
