@@ -44,6 +44,12 @@ DEFAULT_LOGITS_BUDGET = 2 << 30  # bytes of a prefill chunk's fp32 logits and q-
 COMPRESSOR_KEYS = ("wkv.weight", "wgate.weight", "ape", "norm.weight")  # under <prefix>compressor.
 
 
+# Where a block scale's recorded format lives: on the Parameter itself (it survives `.to()`, which swaps the data
+# and keeps the version counter), with the version it was read at (an in-place write makes it unknown again).
+SCALE_FMT_ATTR = "_dsa_indexer_scale_fmt"
+FP8_GEMM_WEIGHTS = ("wq_b", "wk")
+
+
 def _version_of(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -107,8 +113,56 @@ class Indexer(nn.Module):
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
         self._activation_wq_b: tuple[tuple, torch.Tensor] | None = None
         self._fp32_weights_proj: tuple[tuple, torch.Tensor] | None = None
+        self._scale_fmt_epoch = 0  # bumped by each record: a plan keyed on it sees a new format
+        # load_state_dict writes the scales in place: read their format again after it (still load time).
+        self.register_load_state_dict_post_hook(lambda module, keys: module.record_weight_scale_formats())
+        self._records_scale_fmts = True  # from here on, assigning a block-fp8 wq_b / wk reads its scales' format
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        # Setting a block-fp8 module is a weight load (from_safetensors, transformers' swap_indexers): the one place
+        # its scales' format may be read. __init__'s empty modules are skipped (nothing loaded yet).
+        if name in FP8_GEMM_WEIGHTS and isinstance(value, BlockFp8Linear) and self.__dict__.get("_records_scale_fmts"):
+            self._record_scale_fmt(value)
 
     # --- weights ------------------------------------------------------------------------------------------
+    def _record_scale_fmt(self, layer: "BlockFp8Linear") -> None:
+        scales = layer.weight_scale_inv
+        if scales.device.type == "meta":
+            return  # nothing to read: stays unknown ("fp32")
+        scales.__dict__[SCALE_FMT_ATTR] = (_version_of(scales), ops.scale_format(scales))
+        self._scale_fmt_epoch += 1
+
+    @torch.no_grad()
+    def record_weight_scale_formats(self) -> dict[str, str]:
+        """Read the block-fp8 weights' scales once and record whether each holds powers of two ("ue8m0") or not
+        ("fp32"); returns name -> format. A host read (a sync on a GPU): `load_checkpoint`, `from_safetensors`,
+        `init_random`, `load_state_dict` and assigning a block-fp8 ``wq_b`` / ``wk`` call it; call it yourself after
+        writing a block scale in place (until then that weight's GEMM takes ``scale_fmt="fp32"``: right everywhere,
+        but not served by DeepGEMM on sm100). Never call it inside a step or a CUDA-graph capture."""
+        for name in FP8_GEMM_WEIGHTS:
+            layer = getattr(self, name, None)
+            if isinstance(layer, BlockFp8Linear):
+                self._record_scale_fmt(layer)
+        return {name: self.weight_scale_fmt(name) for name in FP8_GEMM_WEIGHTS
+                if isinstance(getattr(self, name, None), BlockFp8Linear)}
+
+    def weight_scale_fmt(self, name: str) -> str:
+        """The recorded format of block-fp8 weight ``name``'s scales ("wq_b" or "wk"), without reading them: "ue8m0"
+        only when they were read as powers of two and not written since; else "fp32" (true of any scales)."""
+        layer = getattr(self, name, None)
+        if not isinstance(layer, BlockFp8Linear):
+            raise IndexerInputError(f"{name} is not a block-fp8 weight of this indexer")
+        scales = layer.weight_scale_inv
+        recorded = scales.__dict__.get(SCALE_FMT_ATTR)
+        return recorded[1] if recorded is not None and recorded[0] == _version_of(scales) else "fp32"
+
+    def gemm_scale_fmt(self, name: str) -> str:
+        """The ``scale_fmt`` fact of the fp8 GEMM with weight ``name``: "ue8m0" when both operands' scales are powers
+        of two (the recipe's activation scales, ``config.scale_fmt``, and the weight's recorded block scales), else
+        "fp32". Host facts only: safe while a plan is built during graph capture."""
+        return "ue8m0" if self.config.gemm_ue8m0 and self.weight_scale_fmt(name) == "ue8m0" else "fp32"
+
     @property
     def wq_b_is_block_fp8(self) -> bool:
         return isinstance(self.wq_b, BlockFp8Linear)
@@ -160,6 +214,7 @@ class Indexer(nn.Module):
             self.k_norm.bias.copy_(0.1 * rand(cfg.head_dim, std=1.0))
         if self.compressor is not None:
             self.compressor.init_random(gen)
+        self.record_weight_scale_formats()  # amax scales: "fp32" (they are not rounded to powers of two)
         return self
 
     @property
@@ -249,6 +304,7 @@ class Indexer(nn.Module):
             params = dict(self.compressor.named_parameters())
             for name in COMPRESSOR_KEYS:
                 put(f"compressor.{name}", params[name], local[f"compressor.{name}"])
+        self.record_weight_scale_formats()
         return self
 
     @classmethod
@@ -349,11 +405,12 @@ class Indexer(nn.Module):
             self._target = (device, detect_target(device, self._target_override))
         return self._target[1]
 
-    def _gemm_layout(self, weight: torch.Tensor, out_dtype: torch.dtype) -> Fp8GroupLayout:
+    def _gemm_layout(self, weight: torch.Tensor, out_dtype: torch.dtype, scale_fmt: str = "fp32") -> Fp8GroupLayout:
         """The activation layout this indexer quantizes a GEMM input to, and what a reusable q_lora_quant must match:
         the resolved block-fp8 GEMM's layout (group size, scale order, fp8 flavour) with the recipe's scale format
-        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight."""
-        problem = ops.gemm_problem(weight, out_dtype)  # the problem the GEMM op will build
+        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight; ``scale_fmt``:
+        the GEMM's fact (`gemm_scale_fmt`)."""
+        problem = ops.gemm_problem(weight, out_dtype, scale_fmt)  # the problem the GEMM op will build
         res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
         layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
         layout = layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
@@ -399,7 +456,8 @@ class Indexer(nn.Module):
         bucket = 1 << max(0, tokens - 1).bit_length()  # `token_bucket`, inline: the warm path builds no Problem
         # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
         key = (id(registry), registry.generation, id(target), bucket, decode, has_quant, cache_layout, next_n,
-               dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key())
+               dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key(),
+               self._scale_fmt_epoch)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # stale keys (old weights, old generations) are never asked for again
@@ -413,6 +471,9 @@ class Indexer(nn.Module):
         strategy = registry.function(PIPELINE_OP, target, problem)
         resolution = registry.used.get((PIPELINE_OP, target, problem)) or registry.choose(PIPELINE_OP, target, problem)
         wq_b_fp8, wk_fp8 = self.wq_b_is_block_fp8, self.wk_is_block_fp8
+        # The GEMMs' scale_fmt facts from what weight load recorded: no value is read here (a capture may build it).
+        wq_b_fmt = self.gemm_scale_fmt("wq_b") if wq_b_fp8 else "fp32"
+        wk_fmt = self.gemm_scale_fmt("wk") if wk_fp8 else "fp32"
         weights = LayerWeights(
             wq_b=self.wq_b.weight, wq_b_scale=self.wq_b.weight_scale_inv if wq_b_fp8 else None,
             weights_proj=self.fp32_weights_proj() if cfg.weights_proj_dtype == "fp32" else self.weights_proj.weight,
@@ -428,8 +489,9 @@ class Indexer(nn.Module):
             config=cfg, target=target, fp8_dtype=self.fp8_dtype, weights=weights, problem=problem,
             pipeline=resolution, strategy=strategy, steps=STEPS, registry=registry,
             fuse_x_projections=self.fuse_x_projections,
-            wq_b_layout=self._gemm_layout(self.wq_b.weight, dtype) if wq_b_fp8 else None,
-            wk_layout=self._gemm_layout(self.wk.weight, dtype) if wk_fp8 else None,
+            wq_b_layout=self._gemm_layout(self.wq_b.weight, dtype, wq_b_fmt) if wq_b_fp8 else None,
+            wk_layout=self._gemm_layout(self.wk.weight, dtype, wk_fmt) if wk_fp8 else None,
+            wq_b_scale_fmt=wq_b_fmt, wk_scale_fmt=wk_fmt,
             reuse_unrounded=self.reuses_unrounded_quant(), reuse_stats=self.reuse_stats,
             weight_scale=cfg.weight_scale, rope_offset=cfg.rope_offset,
             scoring_bytes=self.scoring_plan_bytes() if not problem["decode"] else None)

@@ -29,6 +29,7 @@ from .contract.cache import PAGE_SIZE, check_kv_cache, check_paged_cache
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
 from .contract.specs import declare as _record
+from .config import SCALE_FMTS
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
@@ -139,9 +140,22 @@ def problem(op: str, **facts) -> Problem:
     return Problem(**facts)
 
 
-def gemm_problem(weight: torch.Tensor, out_dtype: torch.dtype) -> Problem:
-    """The `gemm_fp8_blockscale` problem of a GEMM with this fp8 weight [N, K] (what the op itself builds)."""
-    return gemm_fp8_blockscale.problem(None, None, weight, None, out_dtype)
+def gemm_problem(weight: torch.Tensor, out_dtype: torch.dtype, scale_fmt: str = "fp32") -> Problem:
+    """The `gemm_fp8_blockscale` problem of a GEMM with this fp8 weight [N, K] and ``scale_fmt`` (what the op itself
+    builds)."""
+    return gemm_fp8_blockscale.problem(None, None, weight, None, out_dtype, scale_fmt)
+
+
+def scale_format(scales: torch.Tensor) -> str:
+    """The ``scale_fmt`` fact these fp32 scales satisfy: "ue8m0" when every one is a positive normal power of two
+    (what a ue8m0 byte holds exactly), else "fp32". It reads the values: a host sync on a GPU, so it runs once where
+    scales are loaded or made (`Indexer` at weight load), never inside a step, a plan build or a graph capture."""
+    if scales.numel() == 0:
+        return "ue8m0"
+    bits = scales.detach().float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    powers = ((bits & ~0x7F800000) == 0) & (exponent > 0) & (exponent < 255)
+    return "ue8m0" if bool(powers.all()) else "fp32"
 
 
 # --- shared checks --------------------------------------------------------------------------------------------------
@@ -383,14 +397,23 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
             interleaved, ue8m0, _default_fp8(k, fp8_dtype, target), norm)
 
 
-@declare("(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, ScalarType out_dtype) -> Tensor",
+@declare("(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, ScalarType out_dtype, str scale_fmt) -> Tensor",
          # b's flavour, which equals a's (checked): `gemm_problem` asks with the weight alone.
-         facts={"n": "b.shape[0]", "k": "b.shape[1]", "out": "str(out_dtype)", "fp8": "fp8_name(b.dtype)"},
-         fake=lambda a, a_scales, b, b_scales, out_dtype: a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype))
+         # scale_fmt: the caller's host fact about BOTH scale tensors ("ue8m0": all powers of two), never read from
+         # the values here (a plan may be built during graph capture); DeepGEMM on sm100 takes "ue8m0" only.
+         facts={"n": "b.shape[0]", "k": "b.shape[1]", "out": "str(out_dtype)", "fp8": "fp8_name(b.dtype)",
+                "scale_fmt": "scale_fmt"},
+         fake=lambda a, a_scales, b, b_scales, out_dtype, scale_fmt: a.new_empty((a.shape[0], b.shape[0]),
+                                                                                 dtype=out_dtype))
 def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16, *, target: Target | str | None = None) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, scale_fmt: str = "fp32", *,
+                        target: Target | str | None = None) -> torch.Tensor:
     """``(a * a_scales) @ (b * b_scales).T``: a [M, K] fp8 with per-token-group-128 scales [M, K/128],
-    b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``."""
+    b [N, K] fp8 with per-128x128-block scales [N/128, K/128] (rounded up); out [M, N] ``out_dtype``.
+    ``scale_fmt``: "ue8m0" when both ``a_scales`` and ``b_scales`` are powers of two (checked where ranges are
+    checked: CPU tensors, or ``DSA_INDEXER_CHECK_RANGES=1``), else "fp32" (the default: true of any scales)."""
+    if scale_fmt not in SCALE_FMTS:
+        raise v.IndexerInputError(f"scale_fmt must be one of {', '.join(map(repr, SCALE_FMTS))}, got {scale_fmt!r}")
     v.tensor("a", a, dtype=v.FP8_DTYPES, ndim=2)
     m, kdim = a.shape
     groups = -(-kdim // 128)
@@ -401,7 +424,12 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     v.tensor("b_scales", b_scales, dtype=torch.float32, shape=(-(-b.shape[0] // 128), groups), device=a.device)
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise v.IndexerInputError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    return a, a_scales, b, b_scales, out_dtype
+    if scale_fmt == "ue8m0":
+        for name, scales in (("a_scales", a_scales), ("b_scales", b_scales)):
+            if v.ranges_checked(scales) and scale_format(scales) != "ue8m0":
+                raise v.IndexerInputError(f"{name} are not all powers of two, but scale_fmt='ue8m0' says both scale "
+                                          "tensors are: pass scale_fmt='fp32'")
+    return a, a_scales, b, b_scales, out_dtype, scale_fmt
 
 
 @declare("(Tensor q, Tensor k, Tensor k_scales, Tensor weights, Tensor ks, Tensor ke) -> Tensor",

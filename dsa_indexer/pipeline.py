@@ -42,7 +42,8 @@ def project_q(plan: StepPlan, q_lora: torch.Tensor, q_lora_quant: QuantizedActiv
     if quant is None:
         quant = plan.run("q_lora_quant", "quant_fp8_groups", q_lora, wanted.group_size, wanted.ue8m0,
                          wanted.fp8_dtype)
-    return plan.run("wq_b_gemm", "gemm_fp8_blockscale", quant[0], quant[1], w.wq_b, w.wq_b_scale, q_lora.dtype)
+    return plan.run("wq_b_gemm", "gemm_fp8_blockscale", quant[0], quant[1], w.wq_b, w.wq_b_scale, q_lora.dtype,
+                    plan.wq_b_scale_fmt)
 
 
 def project_x(plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,7 +78,7 @@ def project_k(plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
     if wanted is None:
         return F.linear(x, w.wk)
     x_fp8, x_scales = plan.run("x_quant", "quant_fp8_groups", x, wanted.group_size, wanted.ue8m0, wanted.fp8_dtype)
-    return plan.run("wk_gemm", "gemm_fp8_blockscale", x_fp8, x_scales, w.wk, w.wk_scale, x.dtype)
+    return plan.run("wk_gemm", "gemm_fp8_blockscale", x_fp8, x_scales, w.wk, w.wk_scale, x.dtype, plan.wk_scale_fmt)
 
 
 def q_path(plan: StepPlan, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,

@@ -64,6 +64,11 @@ class StepPlan:
     wq_b_layout: Fp8GroupLayout | None    # the activation layout wq_b's fp8 GEMM takes (None: a bf16 wq_b)
     wk_layout: Fp8GroupLayout | None      # the same for a block-fp8 wk
     reuse_unrounded: bool                 # reuse a q_lora quant made before bf16 rounding (the platform's policy)
+    # The `gemm_fp8_blockscale` ``scale_fmt`` fact of each fp8 GEMM, a host fact taken at plan build: "ue8m0" when
+    # the recipe's activation scales (config.scale_fmt) and the weight's block scales (read once at weight load,
+    # `Indexer.record_weight_scale_formats`) are both powers of two, else "fp32".
+    wq_b_scale_fmt: str = "fp32"
+    wk_scale_fmt: str = "fp32"
     weight_scale: float = 1.0             # the config's derived constants, read once (softmax scale x head scale)
     rope_offset: int = 0
     scoring_bytes: tuple[int, int] | None = None  # prefill: (bytes per row, per (row, key)) a scored chunk holds

@@ -55,10 +55,10 @@ def test_sm100_gemm_packs_the_scales_and_matches_the_reference():
     sb = random_pow2((-(-n // 128), k // 128), gen)
     module = FakeDeepGemmSm100()
     gemm = dg.make_gemm_fp8_blockscale(module, _api(module), arch_major=10)
-    got = gemm(a, sa, b, sb)
+    got = gemm(a, sa, b, sb, torch.bfloat16, "ue8m0")
     assert module.calls == [("fp8_fp4_gemm_nt", (1, 1, 128))]
     assert torch.equal(got, ref.gemm_fp8_blockscale(a, sa, b, sb))
-    assert torch.equal(gemm(a, sa, b, sb), got)  # the weight's packed scales come from the memo the second time
+    assert torch.equal(gemm(a, sa, b, sb, torch.bfloat16, "ue8m0"), got)  # the weight's packed scales come from the memo the second time
 
 
 def test_sm100_gemm_refuses_scales_that_are_not_powers_of_two():
@@ -68,9 +68,11 @@ def test_sm100_gemm_refuses_scales_that_are_not_powers_of_two():
     module = FakeDeepGemmSm100()
     gemm = dg.make_gemm_fp8_blockscale(module, _api(module), arch_major=10)
     with pytest.raises(IndexerInputError, match="a_scales must be powers of two.*ue8m0"):
-        gemm(a, torch.rand(4, 2, generator=gen) + 0.1, b, torch.ones(1, 2))
+        gemm(a, torch.rand(4, 2, generator=gen) + 0.1, b, torch.ones(1, 2), torch.bfloat16, "ue8m0")
     with pytest.raises(IndexerInputError, match="b_scales must be powers of two"):
-        gemm(a, torch.ones(4, 2), b, torch.full((1, 2), 0.3))
+        gemm(a, torch.ones(4, 2), b, torch.full((1, 2), 0.3), torch.bfloat16, "ue8m0")
+    with pytest.raises(IndexerInputError, match="scale_fmt='fp32'.*sm100"):  # the fact itself: no value read
+        gemm(a, torch.ones(4, 2), b, torch.ones(1, 2), torch.bfloat16, "fp32")
     assert module.calls == []
 
 

@@ -47,7 +47,7 @@ def _cases():
         "x_projections": (x, torch.randn(h, 256), torch.randn(128, 256, dtype=torch.bfloat16)),
         "decode_metadata": (torch.tensor([70, 129], dtype=torch.int32), table, torch.tensor([1, 0]), 2, 4),
         "gemm_fp8_blockscale": (a, torch.rand(t, 2), torch.randn(256, 256).to(FP8), torch.rand(2, 2),
-                                torch.bfloat16),
+                                torch.bfloat16, "fp32"),
         "ragged_mqa_logits": (torch.randn(4, h, 128).to(FP8), torch.randn(9, 128).to(FP8), torch.rand(9),
                               torch.randn(4, h), torch.tensor([0, 0, 2, 3], dtype=torch.int32),
                               torch.tensor([1, 5, 9, 3], dtype=torch.int32)),

@@ -5,7 +5,7 @@ Registrations (all through the one plugin hook):
   GPU against the reference kernels (`deepgemm.probe`), run once at the first resolution that needs it;
 - ``paged_mqa_logits.cuda.deepgemm``, ``ragged_mqa_logits.cuda.deepgemm``, ``gemm_fp8_blockscale.cuda.deepgemm``
   at priority 200 (above Triton's 100) for sm90 and sm100, each with a ``supports`` check that names the limit
-  a problem hits (head counts, next_n, head dim, fp8 flavour, sm100's ue8m0 GEMM scales);
+  a problem hits (head counts, next_n, head dim, fp8 flavour; the GEMM on sm100 declares ``scale_fmt="ue8m0"``);
 - ``indexer_pipeline.cuda.dual_stream`` (`dual_stream.py`);
 - the probe of the fact ``cuda_jit``: this backend's own CUDA C++ kernels (``csrc/``) compile with nvcc (cached
   on disk, `jit.py`) and pass a self-test against the reference (`topk.probe`);
@@ -67,7 +67,10 @@ def _deep_gemm_probe() -> str | None:
 LOGITS_CAPS = Capabilities("DeepGEMM logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS)
 PAGED_CAPS = Capabilities("DeepGEMM paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS,
                           next_n=PAGED_NEXT_N, keys=("fp8",))
-GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",),
+# scale_fmt: sm100's DeepGEMM reads packed ue8m0 scales (the adapter packs power-of-two fp32 scales; fp32 ones would
+# be rounded down silently), sm90's reads fp32 scales of either format.
+GEMM_SCALE_FMTS = {"sm90": None, "sm100": ("ue8m0",)}
+GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",), scale_fmt=GEMM_SCALE_FMTS,
                          out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
                          k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
                          n=Rule(lambda n: n % 64 == 0, "N a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
@@ -80,12 +83,12 @@ CAPABILITIES = {"paged_mqa_logits": PAGED_CAPS, "ragged_mqa_logits": LOGITS_CAPS
 
 
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
-    """What the declared capabilities cannot say: sm100 is held back until the GEMM problem carries the scale
-    format (the adapter packs power-of-two scales into ue8m0 words, `deepgemm.py`; plain fp32 scales would be
-    rounded down to a power of two by DeepGEMM there, silently)."""
-    if target.arch == "sm100":
-        return ("sm100: DeepGEMM takes packed ue8m0 scales there; the gemm_fp8_blockscale problem does not carry the "
-                "scale format yet, so fp32 scales cannot be told from power-of-two ones")
+    """What the declared capabilities cannot say: a declared fact the problem does not carry is not checked, but on
+    sm100 a GEMM problem without ``scale_fmt`` (a coarse one, e.g. the CLI's defaults) must not get DeepGEMM, which
+    would round fp32 scales down to powers of two silently there."""
+    if target.arch == "sm100" and problem.get("scale_fmt") is None:
+        return ("sm100: DeepGEMM reads packed ue8m0 scales there and this problem does not say its scale_fmt "
+                "(ask with scale_fmt='ue8m0' for power-of-two scales)")
     return None
 
 

@@ -126,11 +126,12 @@ def self_test(module: ModuleType, api: DeepGemmApi, device: torch.device | str) 
         from ..reference import kernels as ref
 
         gen = torch.Generator().manual_seed(7)
-        a, sa = ref.quant_fp8_groups(torch.randn(64, 256, generator=gen), 128)
+        # Power-of-two scales ("ue8m0"), which every arch's adapter takes (sm100's takes no other).
+        a, sa = ref.quant_fp8_groups(torch.randn(64, 256, generator=gen), 128, ue8m0=True)
         b = (torch.randn(256, 256, generator=gen) * 0.5).to(torch.float8_e4m3fn)
-        sb = torch.rand(2, 2, generator=gen) + 0.5
+        sb = torch.exp2(torch.randint(-3, 2, (2, 2), generator=gen).float())
         args = [t.to(device) for t in (a, sa, b, sb)]
-        got = make_gemm_fp8_blockscale(module, api)(*args).float()
+        got = make_gemm_fp8_blockscale(module, api)(*args, torch.bfloat16, "ue8m0").float()
         want = ref.gemm_fp8_blockscale(*args).float()
         err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
         if not err < 1e-2:  # bf16 output: one rounding, ~2e-3 relative

@@ -221,8 +221,10 @@ def make_gemm_fp8_blockscale(module: ModuleType, api: DeepGemmApi, arch_major: i
     """The block-fp8 GEMM. sm90: plain fp32 scales, recipe (1, 128, 128). sm100 (``arch_major`` 10; None: the
     tensors' device says): DeepGEMM reads packed ue8m0 scales there and would turn fp32 ones into ue8m0 by keeping
     only their exponents (rounding a non-power-of-two scale down); the adapter packs them itself (`pack_ue8m0`; b's
-    128 x 128 block scales broadcast to its rows, packed once per weight) after checking that they are powers of
-    two (the ue8m0 recipe, V4's e8m0 checkpoint scales), and passes recipe (1, 1, 128)."""
+    128 x 128 block scales broadcast to its rows, packed once per weight) and passes recipe (1, 1, 128). It takes
+    only ``scale_fmt="ue8m0"`` there (the caller's host fact that both scale tensors are powers of two: the ue8m0
+    recipe, V4's e8m0 checkpoint scales; resolution sends "fp32" to the next implementation), and checks the values
+    where that costs no host sync."""
     if api.gemm_fn is None:
         raise RuntimeError(f"{api.describe()} has no block-fp8 GEMM (looked for {', '.join(GEMM_NAMES)}); "
                            "the deep_gemm probe should have rejected it")
@@ -245,13 +247,18 @@ def make_gemm_fp8_blockscale(module: ModuleType, api: DeepGemmApi, arch_major: i
         return pack_ue8m0(a_scales), step_memo(b_scales, ("deepgemm_sm100_sfb", n), packed_weight_scales)
 
     def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                            out_dtype: torch.dtype = torch.bfloat16, scale_fmt: str = "fp32") -> torch.Tensor:
         if out_dtype != torch.bfloat16:
             raise IndexerInputError(f"the DeepGEMM adapter writes bf16 output, got out_dtype={out_dtype} "
                                     "(its supports() check should have rejected this problem)")
         d = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
         major = arch_major if arch_major is not None else device_arch_major(a.device)
         if major == 10:
+            if scale_fmt != "ue8m0":
+                raise IndexerInputError(
+                    f"scale_fmt={scale_fmt!r}: DeepGEMM on sm100 reads packed ue8m0 scales and would round fp32 ones "
+                    "down to a power of two; pass scale_fmt='ue8m0' for power-of-two scales, or use the Triton GEMM "
+                    "(resolution picks it for scale_fmt='fp32')")
             sfa, sfb = sm100_scales(a_scales, b_scales, b.shape[0])
             recipe = {"recipe": SM100_RECIPE} if has_recipe else {}
             kernel((a.contiguous(), sfa), (b.contiguous(), sfb), d, **recipe)

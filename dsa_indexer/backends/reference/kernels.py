@@ -138,7 +138,8 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
 
 
 def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.bfloat16, scale_fmt: str = "fp32") -> torch.Tensor:
+    # scale_fmt changes no arithmetic here: power-of-two scales are fp32 values like any other.
     m, kdim = a.shape
     n = b.shape[0]
     a_deq = a.float() * a_scales.float().repeat_interleave(128, dim=1)[:, :kdim]

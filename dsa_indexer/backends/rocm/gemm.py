@@ -41,7 +41,8 @@ def find_cktile() -> tuple[str, Callable] | None:
 
 
 def make_gemm_fp8_blockscale(gemm_a8w8_blockscale: Callable | None = None) -> Callable[..., torch.Tensor]:
-    """``gemm_fp8_blockscale(a, a_scales, b, b_scales, out_dtype)`` (the reference's signature) over aiter's CK GEMM."""
+    """``gemm_fp8_blockscale(a, a_scales, b, b_scales, out_dtype, scale_fmt)`` (the reference's signature) over aiter's
+    CK GEMM, which reads fp32 scales: both ``scale_fmt`` values pass them as they are."""
     if gemm_a8w8_blockscale is None:
         found = find_gemm()
         if found is None:
@@ -49,7 +50,7 @@ def make_gemm_fp8_blockscale(gemm_a8w8_blockscale: Callable | None = None) -> Ca
         gemm_a8w8_blockscale = found[1]
 
     def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                            out_dtype: torch.dtype) -> torch.Tensor:
+                            out_dtype: torch.dtype, scale_fmt: str = "fp32") -> torch.Tensor:
         if out_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"aiter's gemm_a8w8_blockscale writes bf16 or fp16, not {out_dtype}")
         # CK reads row-major scales with unit column stride: make the views it gets contiguous.

@@ -97,8 +97,9 @@ def _config(m: int) -> tuple[int, int, int, int]:
 
 
 def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``(a * a_scales) @ (b * b_scales).T`` -> [M, N] ``out_dtype`` (fp32 accumulation)."""
+                        out_dtype: torch.dtype = torch.bfloat16, scale_fmt: str = "fp32") -> torch.Tensor:
+    """``(a * a_scales) @ (b * b_scales).T`` -> [M, N] ``out_dtype`` (fp32 accumulation). The kernel reads fp32
+    scales, so both ``scale_fmt`` values ("ue8m0" scales are fp32 powers of two) take the same path."""
     m, kdim = a.shape
     n = b.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
