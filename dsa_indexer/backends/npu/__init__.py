@@ -56,6 +56,7 @@ UNREGISTERED = {
     "gemm_fp8_blockscale": "no e4m3 block-scaled GEMM in torch_npu; the plain layouts' q path runs wq_b in bf16",
     "c4_compress_pool": "the reference pooling runs on NPU tensors; no torch_npu kernel matches V4's compressor",
     "x_projections": "torch's two GEMMs (x_projections.generic.torch) run on NPU tensors; no torch_npu kernel fuses them",
+    "decode_metadata": "the reference's torch ops run on NPU tensors; DecodeGraph, its caller, captures CUDA / HIP graphs only",
 }
 
 
