@@ -50,6 +50,11 @@ SCALE_FMT_ATTR = "_dsa_indexer_scale_fmt"
 FP8_GEMM_WEIGHTS = ("wq_b", "wk")
 
 
+def _record_after_load(module: "Indexer", incompatible_keys) -> None:
+    """load_state_dict's post hook (a module-level function: a module holding it stays picklable)."""
+    module.record_weight_scale_formats()
+
+
 def _version_of(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -115,7 +120,7 @@ class Indexer(nn.Module):
         self._fp32_weights_proj: tuple[tuple, torch.Tensor] | None = None
         self._scale_fmt_epoch = 0  # bumped by each record: a plan keyed on it sees a new format
         # load_state_dict writes the scales in place: read their format again after it (still load time).
-        self.register_load_state_dict_post_hook(lambda module, keys: module.record_weight_scale_formats())
+        self.register_load_state_dict_post_hook(_record_after_load)
         self._records_scale_fmts = True  # from here on, assigning a block-fp8 wq_b / wk reads its scales' format
 
     def __setattr__(self, name: str, value) -> None:
