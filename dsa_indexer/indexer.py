@@ -113,6 +113,11 @@ class Indexer(nn.Module):
         # weights_proj and wk as one GEMM over their concatenated weight (one launch and one split-K reduce fewer
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
         self.fuse_x_projections = True
+        # How prefill scores V4's FP4 pages (paged64_fp4_e2m1): "packed" reads the keys as stored (uint8 e2m1 rows and
+        # their ue8m0 block bytes: half the gathered bytes, every block its own scale; the FP4 ragged logits, e.g.
+        # DeepGEMM's fp8_fp4_mqa_logits on sm100), "folded" folds them into fp8 rows with one power-of-two scale
+        # (the fp8 ragged kernels and fused top-ks; a block more than 2^14 below its row's largest loses precision).
+        self.fp4_prefill_keys = "packed"
         self._plans: dict[tuple, StepPlan] = {}
         self._registry = None  # default_registry(), taken on the first step  # `step_plan`: one per problem class, weights and registry state
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
@@ -462,7 +467,7 @@ class Indexer(nn.Module):
         # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
         key = (id(registry), registry.generation, id(target), bucket, decode, has_quant, cache_layout, next_n,
                dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key(),
-               self._scale_fmt_epoch)
+               self._scale_fmt_epoch, self.fp4_prefill_keys)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # stale keys (old weights, old generations) are never asked for again
@@ -476,6 +481,7 @@ class Indexer(nn.Module):
         strategy = registry.function(PIPELINE_OP, target, problem)
         resolution = registry.used.get((PIPELINE_OP, target, problem)) or registry.choose(PIPELINE_OP, target, problem)
         wq_b_fp8, wk_fp8 = self.wq_b_is_block_fp8, self.wk_is_block_fp8
+        prefill_keys = self.prefill_key_format(cache_layout)
         # The GEMMs' scale_fmt facts from what weight load recorded: no value is read here (a capture may build it).
         wq_b_fmt = self.gemm_scale_fmt("wq_b") if wq_b_fp8 else "fp32"
         wk_fmt = self.gemm_scale_fmt("wk") if wk_fp8 else "fp32"
@@ -499,7 +505,15 @@ class Indexer(nn.Module):
             wq_b_scale_fmt=wq_b_fmt, wk_scale_fmt=wk_fmt,
             reuse_unrounded=self.reuses_unrounded_quant(), reuse_stats=self.reuse_stats,
             weight_scale=cfg.weight_scale, rope_offset=cfg.rope_offset,
-            scoring_bytes=self.scoring_plan_bytes() if not problem["decode"] else None)
+            prefill_keys=prefill_keys,
+            scoring_bytes=self.scoring_plan_bytes(prefill_keys) if not problem["decode"] else None)
+
+    def prefill_key_format(self, cache_layout: str) -> str:
+        """The ``keys`` fact of prefill's ragged scoring over a ``cache_layout`` cache: "fp4" (the FP4 pages' keys
+        as stored) when the layout is paged64_fp4_e2m1 and ``fp4_prefill_keys`` is "packed", else "fp8"."""
+        if self.fp4_prefill_keys not in ("packed", "folded"):
+            raise IndexerInputError(f"fp4_prefill_keys must be 'packed' or 'folded', got {self.fp4_prefill_keys!r}")
+        return "fp4" if cache_layout == LAYOUT_PAGED64_FP4 and self.fp4_prefill_keys == "packed" else "fp8"
 
     # --- the step -----------------------------------------------------------------------------------------
     def check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
@@ -611,13 +625,14 @@ class Indexer(nn.Module):
             return self._score_decode(plan, q_fp8, weights, batch, cache)
         return self._score_planned(plan, batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]))
 
-    def scoring_plan_bytes(self) -> tuple[int, int]:
+    def scoring_plan_bytes(self, keys: str = "fp8") -> tuple[int, int]:
         """(bytes per row, bytes per (row, key)) that a prefill chunk holds, for `PrefillBatch.plan_chunks`: the q
-        path's intermediates per row, plus what the resolved ``ragged_mqa_topk`` declares (registry info
-        ``plan_row_bytes(topk)`` / ``plan_key_bytes``); by default its fp32 logits, 4 B per key."""
+        path's intermediates per row, plus what the resolved ``ragged_mqa_topk`` (for ``keys``, the gathered keys'
+        format) declares (registry info ``plan_row_bytes(topk)`` / ``plan_key_bytes``); by default its fp32
+        logits, 4 B per key."""
         cfg = self.config
         problem = ops.problem("ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim,
-                              fp8=ops.fp8_name(self.fp8_dtype), k=cfg.topk)
+                              fp8=ops.fp8_name(self.fp8_dtype), k=cfg.topk, keys=keys)
         res = default_registry().resolve("ragged_mqa_topk", self.target, problem)
         info = res.chosen.info if res.chosen is not None else {}
         row_bytes = info.get("plan_row_bytes")
@@ -723,7 +738,8 @@ class Indexer(nn.Module):
         k = self.config.topk
         if batch.max_keys_per_row <= k:
             return self._all_visible(batch.ke - batch.ks)
-        keys, key_scales = cache.gather(batch.gather_slots)
+        gather = cache.gather_packed if plan.prefill_keys == "fp4" else cache.gather
+        keys, key_scales = gather(batch.gather_slots)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
         for start, stop, lo, hi in chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes):
             q_fp8, weights = q_of(start, stop)

@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .contract import validate as v
-from .contract.cache import PAGE_SIZE, check_kv_cache, check_paged_cache
+from .contract.cache import (FP4_BLOCK, FP4_VALUE_BYTES, HEAD_DIM, PAGE_SIZE, check_kv_cache,
+                             check_paged_cache)
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
 from .contract.specs import declare as _record
@@ -199,9 +200,17 @@ def _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_off
 def _check_ragged(q, k, k_scales, weights, ks, ke) -> None:
     v.tensor("q", q, dtype=v.FP8_DTYPES, ndim=3)
     s, h, d = q.shape
-    v.tensor("k", k, dtype=q.dtype, shape=(None, d), device=q.device)
-    n = k.shape[0]
-    v.tensor("k_scales", k_scales, dtype=torch.float32, shape=(n,), device=q.device)
+    if isinstance(k, torch.Tensor) and k.dtype == torch.uint8:  # FP4 keys, as the 68-byte pages store them
+        if d != HEAD_DIM:
+            raise v.IndexerInputError(f"FP4 keys (uint8 k) take head dim {HEAD_DIM} (four blocks of {FP4_BLOCK}), "
+                                      f"got q's {d}")
+        v.tensor("k", k, shape=(None, FP4_VALUE_BYTES), device=q.device)
+        n = k.shape[0]
+        v.tensor("k_scales", k_scales, dtype=torch.uint8, shape=(n, HEAD_DIM // FP4_BLOCK), device=q.device)
+    else:
+        v.tensor("k", k, dtype=q.dtype, shape=(None, d), device=q.device)
+        n = k.shape[0]
+        v.tensor("k_scales", k_scales, dtype=torch.float32, shape=(n,), device=q.device)
     v.tensor("weights", weights, dtype=torch.float32, shape=(s, h), device=q.device)
     v.tensor("ks", ks, dtype=torch.int32, shape=(s,), device=q.device)
     v.tensor("ke", ke, dtype=torch.int32, shape=(s,), device=q.device)
@@ -432,14 +441,25 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     return a, a_scales, b, b_scales, out_dtype, scale_fmt
 
 
+# keys: what the ragged key rows hold, by k's dtype: "fp8" (fp8 [N, 128] with fp32 row scales, the gathered
+# 132-byte pages or the FP4 keys folded into fp8) or "fp4" (uint8 [N, 64] packed e2m1 with uint8 [N, 4] ue8m0 block
+# scales, the 68-byte pages' bytes as stored); an implementation declares the formats it reads.
+RAGGED_KEYS_FACT = "'fp4' if k.dtype == torch.uint8 else 'fp8'"
+
+
 @declare("(Tensor q, Tensor k, Tensor k_scales, Tensor weights, Tensor ks, Tensor ke) -> Tensor",
-         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)"},
+         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)", "keys": RAGGED_KEYS_FACT},
          fake=lambda q, k, k_scales, weights, ks, ke: q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32))
 def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                       ks: torch.Tensor, ke: torch.Tensor, *, target: Target | str | None = None) -> torch.Tensor:
     """Prefill logits: ``L[s, n] = k_scales[n] * sum_h weights[s, h] * relu(q[s, h] . k[n])`` for
     ``ks[s] <= n < ke[s]``, -inf elsewhere. q [S, H, D] fp8, k [N, D] fp8, k_scales [N] f32, weights [S, H] f32,
-    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget)."""
+    ks/ke [S] int32. Returns [S, N] f32. Callers bound S x N (the Indexer chunks rows under a memory budget).
+
+    FP4 keys (problem fact ``keys="fp4"``, V4's ``paged64_fp4_e2m1`` pages as stored, `IndexKCache.gather_packed`):
+    k uint8 [N, 64] packed e2m1 (element 2i in byte i's low nibble), k_scales uint8 [N, 4] the ue8m0 byte of each
+    block of 32 dims; then ``L[s, n] = sum_h weights[s, h] * relu(sum_b 2^(k_scales[n, b] - 127) * q[s, h, b] .
+    e2m1(k[n, b]))`` over the four blocks b (D = 128)."""
     _check_ragged(q, k, k_scales, weights, ks, ke)
     return q, k, k_scales, weights, ks, ke
 
@@ -531,7 +551,8 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
 
 
 @declare("(Tensor q, Tensor k, Tensor k_scales, Tensor weights, Tensor ks, Tensor ke, int topk) -> Tensor",
-         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)", "k": "topk"},
+         facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)", "k": "topk",
+                "keys": RAGGED_KEYS_FACT},  # k's fp8 rows or FP4 bytes, as ragged_mqa_logits' 
          fake=lambda q, k, k_scales, weights, ks, ke, topk: q.new_empty((q.shape[0], topk), dtype=torch.int32))
 def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                     ks: torch.Tensor, ke: torch.Tensor, topk: int, *,

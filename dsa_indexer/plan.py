@@ -71,6 +71,8 @@ class StepPlan:
     wk_scale_fmt: str = "fp32"
     weight_scale: float = 1.0             # the config's derived constants, read once (softmax scale x head scale)
     rope_offset: int = 0
+    # prefill: the gathered keys' format, the ragged ops' ``keys`` fact ("fp4": the FP4 pages' bytes as stored)
+    prefill_keys: str = "fp8"
     scoring_bytes: tuple[int, int] | None = None  # prefill: (bytes per row, per (row, key)) a scored chunk holds
     reuse_stats: Counter = field(default_factory=Counter)
     _kernels: dict[str, Callable[..., Any]] = field(default_factory=dict)

@@ -210,11 +210,26 @@ def gather_fp4_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.
     return unpack_e2m1(packed[page, row]), ue8m0_values(scale_bytes[page, row])
 
 
+def gather_packed_fp4_rows(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored bytes of the given slots of the FP4 pages: (packed e2m1 uint8 ``[N, 64]``, ue8m0 block-scale bytes
+    uint8 ``[N, 4]``), contiguous; what the ragged logits take as FP4 keys (``keys="fp4"``)."""
+    packed, scale_bytes = fp4_page_views(kv_cache)
+    slots = slots.long()
+    page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
+    return packed[page, row], scale_bytes[page, row]
+
+
+def dequant_fp4_rows(packed: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """FP4 keys as stored (packed uint8 ``[..., 64]``, ue8m0 bytes ``[..., 4]``) dequantized: fp32 ``[..., 128]``,
+    exact (an e2m1 value times a power of two)."""
+    values = unpack_e2m1(packed).reshape(*packed.shape[:-1], -1, FP4_BLOCK)
+    return (values * ue8m0_values(scale_bytes)[..., None]).reshape(*packed.shape[:-1], HEAD_DIM)
+
+
 def dequant_fp4_pages(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """The keys of whole FP4 pages (``pages`` [P] page indices) dequantized: fp32 ``[P * 64, 128]`` (exact)."""
     packed, scale_bytes = fp4_page_views(kv_cache)
-    values = unpack_e2m1(packed[pages.long()]).reshape(-1, FP4_BLOCK)
-    return (values * ue8m0_values(scale_bytes[pages.long()]).reshape(-1, 1)).reshape(-1, HEAD_DIM)
+    return dequant_fp4_rows(packed[pages.long()], scale_bytes[pages.long()]).reshape(-1, HEAD_DIM)
 
 
 def fold_fp4_rows(values: torch.Tensor, scales: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor,
@@ -363,6 +378,15 @@ class IndexKCache:
         if self.layout == LAYOUT_PAGED64_FP4:
             return fold_fp4_rows(*gather_fp4_rows(self.data, slots), self.fp8_dtype)
         return gather_rows(self.data, slots, self.fp8_dtype)
+
+    def gather_packed(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP4 layout's keys of ``slots`` in their stored bytes (packed e2m1 uint8 ``[N, 64]``, ue8m0 uint8
+        ``[N, 4]``): the ragged logits' FP4 keys, half the bytes of `gather`'s fold and every block's own scale."""
+        if self.layout != LAYOUT_PAGED64_FP4:
+            raise ValueError(f"gather_packed reads the {LAYOUT_PAGED64_FP4} layout, this cache is {self.layout}: "
+                             "use gather")
+        self._check_slots(slots)
+        return gather_packed_fp4_rows(self.data, slots)
 
     def gather_fp4(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The FP4 layout's keys as stored: (e2m1 values fp32 ``[N, 128]``, block scales fp32 ``[N, 4]``)."""

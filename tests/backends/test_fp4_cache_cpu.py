@@ -215,7 +215,8 @@ def test_fp4_block_other_than_32_is_refused_for_the_fp4_pages():
 PAGES_PER_REQUEST = 16
 
 
-def _run_c4(layout: str, seed: int, lengths, decode_steps: int, budget: int | None = None):
+def _run_c4(layout: str, seed: int, lengths, decode_steps: int, budget: int | None = None,
+            fp4_prefill_keys: str = "packed"):
     cfg = dataclasses.replace(IndexerConfig.deepseek_v4_flash(key_quant="fp4_e2m1"), max_position=8192, topk=64)
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths) + decode_steps * len(lengths)
@@ -224,6 +225,7 @@ def _run_c4(layout: str, seed: int, lengths, decode_steps: int, budget: int | No
     pages = PAGES_PER_REQUEST * len(lengths)
     table = torch.arange(pages, dtype=torch.int32).view(len(lengths), PAGES_PER_REQUEST)
     indexer = Indexer(cfg).init_random(seed)
+    indexer.fp4_prefill_keys = fp4_prefill_keys
     if budget is not None:
         indexer.logits_budget_bytes = budget
     cache = indexer.allocate_cache(pages, layout)
@@ -259,3 +261,115 @@ def test_bounded_c4_prefill_with_fp4_pages_equals_the_one_pass():
     one_pass, cache = _run_c4(FP4, seed=12, lengths=lengths, decode_steps=0)
     bounded, bounded_cache = _run_c4(FP4, seed=12, lengths=lengths, decode_steps=0, budget=4 << 20)
     assert torch.equal(one_pass[0], bounded[0]) and torch.equal(cache.data, bounded_cache.data)
+
+
+# --- prefill over the FP4 pages' bytes as stored (ragged_mqa_logits with keys="fp4") ----------------------------
+def test_gather_packed_reads_the_stored_bytes():
+    values, scales = _fp4_rows(3 * 64, seed=21, spread=8)
+    cache = IndexKCache.allocate(3, layout=FP4)
+    kc.store_fp4_rows(cache.data, torch.arange(3 * 64), values, scales)
+    slots = torch.tensor([130, 0, 63, 64, 191, 5])
+    packed, scale_bytes = cache.gather_packed(slots)
+    assert packed.dtype == scale_bytes.dtype == torch.uint8
+    assert packed.shape == (6, 64) and scale_bytes.shape == (6, 4)
+    pages = cache.data.view(3, -1)
+    for i, slot in enumerate(slots.tolist()):
+        hand = _decode_token(pages[slot // 64], slot % 64)
+        assert torch.equal(kc.dequant_fp4_rows(packed[i], scale_bytes[i]), hand)
+        assert torch.equal(hand, (values[slot].reshape(4, 32) * scales[slot][:, None]).reshape(128))
+    with pytest.raises(ValueError, match="gather_packed reads the paged64_fp4_e2m1 layout"):
+        IndexKCache.allocate(1).gather_packed(torch.arange(2))
+
+
+def test_reference_ragged_logits_over_packed_keys_equal_the_fold_path():
+    fp4, fp8 = _caches_with_the_same_keys(4, seed=22)
+    gen = torch.Generator().manual_seed(23)
+    slots = torch.randperm(4 * 64, generator=gen)[:200]
+    packed = fp4.gather_packed(slots)
+    folded = fp8.gather(slots)
+    rows, heads = 9, 64
+    q = (torch.randn(rows, heads, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
+    weights = torch.randn(rows, heads, generator=gen)
+    ks = torch.randint(0, 100, (rows,), generator=gen).to(torch.int32)
+    ke = (ks + torch.randint(0, 100, (rows,), generator=gen)).to(torch.int32)
+    ke[0] = ks[0]
+    got = ops.ragged_mqa_logits(q, *packed, weights, ks, ke)
+    want = ops.ragged_mqa_logits(q, *folded, weights, ks, ke)
+    assert bool(torch.isneginf(got[0]).all()) and bool(torch.isfinite(got[1, ks[1]:ke[1]]).all())
+    assert torch.equal(got, want)  # power-of-two scales before or after the same fp32 sums: exact
+    top = ops.ragged_mqa_topk(q, *packed, weights, ks, ke, 16)
+    assert torch.equal(top, ops.ragged_mqa_topk(q, *folded, weights, ks, ke, 16))
+
+
+def test_ragged_fp4_keys_are_validated():
+    gen = torch.Generator().manual_seed(24)
+    q = torch.randn(2, 32, 128, generator=gen).to(torch.float8_e4m3fn)
+    weights, ks, ke = torch.randn(2, 32), torch.zeros(2, dtype=torch.int32), torch.full((2,), 8, dtype=torch.int32)
+    packed, scale_bytes = torch.zeros(8, 64, dtype=torch.uint8), torch.full((8, 4), 127, dtype=torch.uint8)
+    with pytest.raises(IndexerInputError, match=r"k must have shape \[\*, 64\]"):
+        ops.ragged_mqa_logits(q, packed[:, :32], scale_bytes, weights, ks, ke)
+    with pytest.raises(IndexerInputError, match="k_scales must have dtype uint8, got float32"):
+        ops.ragged_mqa_logits(q, packed, torch.ones(8), weights, ks, ke)
+    with pytest.raises(IndexerInputError, match=r"k_scales must have shape \[8, 4\]"):
+        ops.ragged_mqa_logits(q, packed, scale_bytes[:, :2], weights, ks, ke)
+    with pytest.raises(IndexerInputError, match="FP4 keys .* take head dim 128"):
+        ops.ragged_mqa_topk(q[..., :64], packed, scale_bytes, weights, ks, ke, 4)
+    with pytest.raises(IndexerInputError, match="ke"):
+        ops.ragged_mqa_logits(q, packed, scale_bytes, weights, ks, ke + 1)
+
+
+def _resolve_ragged(op: str, arch: str, keys: str, **env):
+    problem = dict(heads=64, dim=128, fp8="fn", keys=keys, **({"k": 512} if op == "ragged_mqa_topk" else {}))
+    platform = "rocm" if arch.startswith("gfx") else "cuda"
+    res = default_registry().resolve(op, Target(platform, arch), ops.problem(op, **problem),
+                                     environment=Environment.simulated(**env))
+    return res, {c.impl.impl_id: c.reason for c in res.candidates}
+
+
+def test_ragged_fp4_keys_resolve_to_an_fp4_reader_and_every_fp8_reader_refuses():
+    env = dict(gpu=True, triton=True, deep_gemm=True, cuda_jit=True)
+    res, reasons = _resolve_ragged("ragged_mqa_logits", "sm90", "fp4", **env)
+    assert res.chosen.impl_id == "ragged_mqa_logits.triton.logits_fp4"
+    assert "keys=fp4" in reasons["ragged_mqa_logits.cuda.deepgemm"]
+    assert "keys=fp4" in reasons["ragged_mqa_logits.triton.logits"]
+    res, reasons = _resolve_ragged("ragged_mqa_logits", "sm90", "fp8", **env)
+    assert res.chosen.impl_id == "ragged_mqa_logits.cuda.deepgemm"
+    assert "keys=fp8" in reasons["ragged_mqa_logits.triton.logits_fp4"]
+    res, reasons = _resolve_ragged("ragged_mqa_topk", "sm90", "fp4", **env)
+    assert res.chosen.impl_id == "ragged_mqa_topk.generic.composed"  # the FP4 logits, then the top-k
+    assert "keys=fp4" in reasons["ragged_mqa_topk.triton.fused_topk"]
+    assert "keys=fp4" in reasons["ragged_mqa_topk.cuda.deepgemm_radix"]
+    res, reasons = _resolve_ragged("ragged_mqa_logits", "gfx950", "fp4", gpu=True, triton=True, aiter=True)
+    assert res.chosen.impl_id == "ragged_mqa_logits.triton.logits_fp4"
+    assert "keys=fp4: aiter's fp8_mqa_logits takes fp8" in reasons["ragged_mqa_logits.rocm.aiter"]
+
+
+@pytest.mark.parametrize("budget", [None, 4 << 20])
+def test_c4_prefill_scores_the_packed_fp4_keys_as_the_folded_ones(budget, monkeypatch):
+    """Prefill (one pass and bounded) over the FP4 pages: reading the keys as stored (the default) and folding them
+    into fp8 rows give the same top-k; only the packed run gathers the stored bytes."""
+    lengths = [1203, 700]
+    gathered = []
+    real = IndexKCache.gather_packed
+    monkeypatch.setattr(IndexKCache, "gather_packed",
+                        lambda self, slots: gathered.append(len(slots)) or real(self, slots))
+    packed, _ = _run_c4(FP4, seed=25, lengths=lengths, decode_steps=1, budget=budget)
+    assert gathered == [sum(length // 4 for length in lengths)]  # one gather of every compressed entry
+    folded, _ = _run_c4(FP4, seed=25, lengths=lengths, decode_steps=1, budget=budget, fp4_prefill_keys="folded")
+    assert len(gathered) == 1
+    for got, want in zip(packed, folded):
+        assert torch.equal(got, want)
+    assert bool((packed[0] >= 0).sum(1).gt(32).any())  # rows with a full top-64 among real keys
+
+
+def test_the_fp4_prefill_keys_knob():
+    cfg = IndexerConfig.deepseek_v4_flash(key_quant="fp4_e2m1")
+    indexer = Indexer(cfg)
+    assert indexer.fp4_prefill_keys == "packed" and indexer.prefill_key_format(FP4) == "fp4"
+    assert indexer.prefill_key_format(kc.LAYOUT_PAGED64) == "fp8"
+    assert indexer.step_plan(256, False, cache_layout=FP4).prefill_keys == "fp4"
+    indexer.fp4_prefill_keys = "folded"
+    assert indexer.step_plan(256, False, cache_layout=FP4).prefill_keys == "fp8"
+    indexer.fp4_prefill_keys = "fp4"
+    with pytest.raises(IndexerInputError, match="fp4_prefill_keys must be 'packed' or 'folded', got 'fp4'"):
+        indexer.step_plan(256, False, cache_layout=FP4)

@@ -12,7 +12,8 @@ import functools
 import torch
 
 from ...contract.cache import (FP4_BYTES_PER_TOKEN, PAGE_SIZE, decode_row_requests, dequant_fp4_pages,
-                               gather_plain_keys, indices_to_slots, page_views, store_plain_rows, store_rows)
+                               dequant_fp4_rows, gather_plain_keys, indices_to_slots, page_views, store_plain_rows,
+                               store_rows)
 
 # Row-chunk budget for the intermediate [rows, heads, keys] scores of the logits references.
 _SCORES_BUDGET_BYTES = 256 << 20
@@ -164,7 +165,10 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
     rows, heads, _ = q.shape
     n = k.shape[0]
     out = torch.full((rows, n), float("-inf"), dtype=torch.float32, device=q.device)
-    kf = k.float()
+    if k.dtype == torch.uint8:  # FP4 keys as stored: each block's own scale inside the dot, no row scale
+        kf, k_scales = dequant_fp4_rows(k, k_scales), torch.ones(n, device=q.device)
+    else:
+        kf = k.float()
     chunk = max(1, _SCORES_BUDGET_BYTES // max(1, heads * n * 4))
     cols = torch.arange(n, device=q.device)
     for start in range(0, rows, chunk):

@@ -88,7 +88,8 @@ def _ragged_supports(problem: Problem, target: Target) -> str | None:
 # The shape facts aiter's logits kernels take, declared (dispatch/capabilities.py): every failing one at once.
 _TL_DOT_HEADS = Rule(lambda heads: 16 <= heads <= 128 and not heads & (heads - 1),
                      "a power of two in 16..128 (all heads tile one tl.dot)")
-RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_DOT_HEADS)
+RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
+                           keys=("fp8",))  # fp8 key rows, not V4's FP4 ones as the 68-byte pages store them
 PAGED_CAPS = Capabilities("aiter's paged kernel",
                           next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),

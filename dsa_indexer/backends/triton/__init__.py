@@ -62,8 +62,13 @@ def _capabilities(op: str) -> Capabilities:
     return Capabilities("the Triton kernels", **_KERNEL_FACTS)
 
 
-# The paged logits over V4's FP4 cache (paged64_fp4_e2m1): nibbles and block scales unpacked in the kernel.
-FP4_LOGITS_CAPS = Capabilities("the Triton FP4 paged logits kernel", heads=(32, 64, 128), dim=(128,), keys=("fp4",))
+# The logits over V4's FP4 keys as stored (the paged64_fp4_e2m1 pages, or rows gathered from them): nibbles and
+# block scales unpacked in the kernel.
+FP4_LOGITS_CAPS = Capabilities("the Triton FP4 logits kernels", heads=(32, 64, 128), dim=(128,), keys=("fp4",))
+FP4_KERNELS = {
+    "paged_mqa_logits": ("paged_mqa_logits_fp4", "FP4 pages (68 B/token)"),
+    "ragged_mqa_logits": ("ragged_mqa_logits_fp4", "FP4 rows as stored (uint8 [N, 64] + ue8m0 [N, 4])"),
+}
 
 
 class _FusedRowBytes:
@@ -94,13 +99,14 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), capabilities=_capabilities(op),
                                 description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
-    registry.implementation("paged_mqa_logits", impl_id="paged_mqa_logits.triton.logits_fp4", targets=TRITON_TARGETS,
-                            # - 1: below the fp8 kernel (no tie), so a problem that does not say its keys (the CLI's,
-                            # a coarse plan) gets the fp8 pages' kernel; fp4 keys are refused by that one.
-                            priority=TRITON_PRIORITY - 1, requires=("gpu", "triton"), capabilities=FP4_LOGITS_CAPS,
-                            description="Triton kernel logits_fp4.paged_mqa_logits_fp4: FP4 pages (68 B/token), "
-                                        "e2m1 + ue8m0 unpacked in the kernel, fp8 dot per block of 32, fp32 sums"
-                            )(_factory("logits_fp4", "paged_mqa_logits_fp4"))
+    for op, (name, reads) in FP4_KERNELS.items():
+        registry.implementation(op, impl_id=f"{op}.triton.logits_fp4", targets=TRITON_TARGETS,
+                                # - 1: below the fp8 kernel (no tie), so a problem that does not say its keys (the
+                                # CLI's, a coarse plan) gets the fp8 kernel; fp4 keys are refused by that one.
+                                priority=TRITON_PRIORITY - 1, requires=("gpu", "triton"), capabilities=FP4_LOGITS_CAPS,
+                                description=f"Triton kernel logits_fp4.{name}: {reads}, e2m1 + ue8m0 unpacked in "
+                                            "the kernel, fp8 dot per block of 32, fp32 sums"
+                                )(_factory("logits_fp4", name))
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             capabilities=_capabilities("ragged_mqa_topk"),

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...contract.cache import BYTES_PER_TOKEN, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
+from ...contract.cache import BYTES_PER_TOKEN, FP4_BLOCK, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
+from .fp4_codes import fp4_key_scores, q_block_t
 
 # Query rows x heads per MMA tile of the ragged kernel (its N side): 128 = 2 rows of 64 heads.
 _RAGGED_TILE_COLS = 128
@@ -94,14 +95,44 @@ def ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d,
 
 
 @triton.jit
+def ragged_q_blocks(q_ptr, w_ptr, row_block, S, H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """`ragged_q_tile` for FP4 keys: the q tile as its four blocks of 32 dims, each [32, BLOCK_M * H] K-major
+    (same columns), and the head weights."""
+    cols = tl.arange(0, BLOCK_M * H)
+    col_rows = row_block * BLOCK_M + cols // H
+    col_ok = col_rows < S
+    q_row = col_rows.to(tl.int64) * H + cols % H
+    w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0)
+    return (q_block_t(q_ptr, q_row, col_ok, 0, D, BLOCK), q_block_t(q_ptr, q_row, col_ok, 1, D, BLOCK),
+            q_block_t(q_ptr, q_row, col_ok, 2, D, BLOCK), q_block_t(q_ptr, q_row, col_ok, 3, D, BLOCK), w)
+
+
+@triton.jit
+def ragged_fp4_key_logits(k_ptr, k_scale_ptr, q_t0, q_t1, q_t2, q_t3, w, n0, N, offs_n, H: tl.constexpr,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    """`ragged_key_logits` for FP4 keys as stored (k uint8 [N, D / 2] packed e2m1, k_scale uint8 [N, D / 32] ue8m0
+    bytes): each block's scale inside the dot, no row scale."""
+    keys = n0 + offs_n
+    key_ok = keys < N
+    rows = keys.to(tl.int64)
+    scores = fp4_key_scores(k_ptr + rows * (D // 2), k_scale_ptr + rows * (D // BLOCK), key_ok,
+                            q_t0, q_t1, q_t2, q_t3, BLOCK)
+    scores = relu_keeping_nan(scores) * w[None, :]
+    return keys, tl.sum(tl.reshape(scores, (BLOCK_N, BLOCK_M, H)), axis=2)
+
+
+@triton.jit
 def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
                           S, N, split_len,
-                          H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
     """One program: BLOCK_M query rows x the keys [split * split_len, +split_len) (one split of N).
 
     q [S, H, D], k [N, D], w [S, H], out [S, N], all contiguous. The q tile of the rows stays on chip while the
     program walks the key blocks that intersect the union of the rows' windows [ks, ke); blocks outside it are
-    only filled with -inf (no loads, no MMA): a causal prefill skips about half of the work that way.
+    only filled with -inf (no loads, no MMA): a causal prefill skips about half of the work that way. ``FP4``: the
+    keys are FP4 rows as stored (`ragged_fp4_key_logits`), else fp8 rows with fp32 row scales.
     """
     # A 1-D grid (no 65535 limit on row blocks), splits fastest, heaviest rows first: in a causal prefill
     # later rows see more keys, and programs launch roughly in pid order.
@@ -119,7 +150,10 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
     lo_key = tl.min(tl.where(nonempty, ks, N), axis=0)
     hi_key = tl.max(tl.where(nonempty, ke, 0), axis=0)
 
-    q_t, w, offs_d = ragged_q_tile(q_ptr, w_ptr, row_block, S, H, D, BLOCK_M)
+    if FP4:
+        q_t0, q_t1, q_t2, q_t3, w = ragged_q_blocks(q_ptr, w_ptr, row_block, S, H, D, BLOCK_M, FP4_BLOCK)
+    else:
+        q_t, w, offs_d = ragged_q_tile(q_ptr, w_ptr, row_block, S, H, D, BLOCK_M)
 
     out_rows = out_ptr + rows.to(tl.int64) * N  # [BLOCK_M] row bases
     neg_inf = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
@@ -136,7 +170,12 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
         tl.store(out_rows[None, :] + keys[:, None], neg_inf, mask=row_ok[None, :] & (keys < N)[:, None])
 
     for n0 in range(c_start, c_stop, BLOCK_N):
-        keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M, BLOCK_N)
+        if FP4:
+            keys, logits = ragged_fp4_key_logits(k_ptr, k_scale_ptr, q_t0, q_t1, q_t2, q_t3, w, n0, N, offs_n, H, D,
+                                                 BLOCK_M, BLOCK_N, FP4_BLOCK)
+        else:
+            keys, logits = ragged_key_logits(k_ptr, k_scale_ptr, q_t, w, n0, N, offs_n, offs_d, H, D, BLOCK_M,
+                                             BLOCK_N)
         key_ok = keys < N
         visible = (keys[:, None] >= ks[None, :]) & (keys[:, None] < ke[None, :])
         tl.store(out_rows[None, :] + keys[:, None], tl.where(visible, logits, neg_inf),
@@ -172,6 +211,15 @@ def _ragged_config(s: int, n: int, heads: int, device: torch.device) -> dict:
 def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                       ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
     """Prefill logits [S, N] f32: q [S, H, 128] fp8, k [N, 128] fp8, k_scales [N], weights [S, H], ks/ke [S] int32."""
+    if k.dtype == torch.uint8:
+        raise ValueError("logits.ragged_mqa_logits reads fp8 keys; FP4 keys (uint8) are read by "
+                         "logits_fp4.ragged_mqa_logits_fp4")
+    return launch_ragged_logits(q, k, k_scales.float(), weights, ks, ke, fp4=False)
+
+
+def launch_ragged_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                         ks: torch.Tensor, ke: torch.Tensor, fp4: bool) -> torch.Tensor:
+    """The ragged logits kernel over fp8 keys (``fp4=False``) or FP4 keys as stored (``fp4=True``)."""
     s, heads, dim = q.shape
     n = k.shape[0]
     out = torch.empty((s, n), dtype=torch.float32, device=q.device)
@@ -182,9 +230,9 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
     cfg = _ragged_config(s, n, heads, q.device)
     grid = (cfg["splits"] * cfg["row_blocks"],)
     _ragged_logits_kernel[grid](
-        q.contiguous(), k.contiguous(), k_scales.contiguous().float(), weights.contiguous().float(),
+        q.contiguous(), k.contiguous(), k_scales.contiguous(), weights.contiguous().float(),
         ks.contiguous(), ke.contiguous(), out, s, n, cfg["split_len"],
-        H=heads, D=dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        H=heads, D=dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], FP4=fp4, FP4_BLOCK=FP4_BLOCK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -22,47 +22,8 @@ import triton.language as tl
 
 from ...contract.cache import (FP4_BLOCK, FP4_BYTES_PER_TOKEN, FP4_PAGE_BYTES, FP4_VALUE_BYTES, HEAD_DIM, PAGE_SIZE,
                                SCALE_BYTES)
-from .logits import _next_pow2, _paged_config, relu_keeping_nan
-
-
-@triton.jit
-def _e2m1(nibble):
-    """A nibble ``sign << 3 | code`` as fp32: code = 2 * exponent + mantissa bit, exponent bias 1 (0: subnormal)."""
-    nibble = nibble.to(tl.int32)
-    code = nibble & 7
-    e = code >> 1
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where((nibble & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _ue8m0(byte):
-    """A ue8m0 byte as fp32 ``2^(byte - 127)`` built from its bits (0: 2^-127, a subnormal; 255: NaN)."""
-    e = byte.to(tl.int32)
-    bits = tl.where(e == 0, 0x400000, (e << 23) | tl.where(e == 255, 0x400000, 0))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_scores(page_base, slot, in_ctx, q_t, blk: tl.constexpr, PAGE: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                  SCALE_BYTES: tl.constexpr, BLOCK: tl.constexpr):
-    """Block ``blk`` (dims [32 blk, 32 blk + 32)) of a key tile against q's same dims ``q_t`` [32, cols]: the e2m1
-    values as fp8 (exact), one fp8 dot, then the block's scale per key in fp32: [TILE, cols]."""
-    half: tl.constexpr = BLOCK // 2  # a block's 32 values are 16 packed bytes
-    offs = blk * half + tl.arange(0, half)
-    packed = tl.load(page_base[:, None] + slot[:, None] * VALUE_BYTES + offs[None, :], mask=in_ctx[:, None], other=0)
-    # element 2i is the low nibble of byte i, 2i + 1 the high one: join then flatten restores the dims' order.
-    values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (packed.shape[0], BLOCK))
-    scale = _ue8m0(tl.load(page_base + PAGE * VALUE_BYTES + slot * SCALE_BYTES + blk, mask=in_ctx, other=127))
-    return tl.dot(values.to(q_t.dtype), q_t) * scale[:, None]
-
-
-@triton.jit
-def _q_block_t(q_ptr, q_row, col_ok, blk: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """q's dims [32 blk, 32 blk + 32) of the program's (row, head) columns, K-major: [32, cols] fp8."""
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    return tl.trans(tl.load(q_ptr + q_row[:, None] * D + offs[None, :], mask=col_ok[:, None], other=0.0))
+from .fp4_codes import fp4_key_scores, q_block_t
+from .logits import _next_pow2, _paged_config, launch_ragged_logits, relu_keeping_nan
 
 
 @triton.jit
@@ -81,10 +42,10 @@ def _paged_fp4_logits_kernel(q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max
     col_ok = col_n < NEXT_N
     q_row = (b * NEXT_N + col_n).to(tl.int64) * H + cols % H
     # D = 4 blocks of 32 (checked by the wrapper): q loaded once, per block.
-    q_t0 = _q_block_t(q_ptr, q_row, col_ok, 0, D, BLOCK)
-    q_t1 = _q_block_t(q_ptr, q_row, col_ok, 1, D, BLOCK)
-    q_t2 = _q_block_t(q_ptr, q_row, col_ok, 2, D, BLOCK)
-    q_t3 = _q_block_t(q_ptr, q_row, col_ok, 3, D, BLOCK)
+    q_t0 = q_block_t(q_ptr, q_row, col_ok, 0, D, BLOCK)
+    q_t1 = q_block_t(q_ptr, q_row, col_ok, 1, D, BLOCK)
+    q_t2 = q_block_t(q_ptr, q_row, col_ok, 2, D, BLOCK)
+    q_t3 = q_block_t(q_ptr, q_row, col_ok, 3, D, BLOCK)
     w = tl.load(w_ptr + q_row, mask=col_ok, other=0.0)
 
     offs_n = tl.arange(0, NN)
@@ -105,10 +66,8 @@ def _paged_fp4_logits_kernel(q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max
         page = tl.load(bt_row + pos // PAGE, mask=in_ctx, other=0).to(tl.int64)
         slot = pos % PAGE
         page_base = kv_ptr + page * PAGE_BYTES
-        scores = _block_scores(page_base, slot, in_ctx, q_t0, 0, PAGE, VALUE_BYTES, SCALE_BYTES, BLOCK)
-        scores += _block_scores(page_base, slot, in_ctx, q_t1, 1, PAGE, VALUE_BYTES, SCALE_BYTES, BLOCK)
-        scores += _block_scores(page_base, slot, in_ctx, q_t2, 2, PAGE, VALUE_BYTES, SCALE_BYTES, BLOCK)
-        scores += _block_scores(page_base, slot, in_ctx, q_t3, 3, PAGE, VALUE_BYTES, SCALE_BYTES, BLOCK)
+        scores = fp4_key_scores(page_base + slot * VALUE_BYTES, page_base + PAGE * VALUE_BYTES + slot * SCALE_BYTES,
+                                in_ctx, q_t0, q_t1, q_t2, q_t3, BLOCK)
         scores = relu_keeping_nan(scores) * w[None, :]  # [TILE, NN * H] fp32
         logits = tl.sum(tl.reshape(scores, (TILE, NN, H)), axis=2)
         visible = pos[:, None] < lens[None, :]
@@ -144,3 +103,15 @@ def paged_mqa_logits_fp4(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         VALUE_BYTES=FP4_VALUE_BYTES, SCALE_BYTES=SCALE_BYTES, BLOCK=FP4_BLOCK,
         TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
+
+
+def ragged_mqa_logits_fp4(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor) -> torch.Tensor:
+    """Prefill logits [S, N] f32 over FP4 keys as the pages store them (`IndexKCache.gather_packed`): k uint8
+    [N, 64] packed e2m1, k_scales uint8 [N, 4] ue8m0 block bytes; q [S, H, 128] fp8 (its row scale in ``weights``).
+    The fp8 ragged kernel's tiling and window skipping (`logits.launch_ragged_logits`), each key block dequantized
+    in the kernel as here for the pages."""
+    if k.dtype != torch.uint8 or k.shape[-1] != FP4_VALUE_BYTES:
+        raise ValueError(f"the Triton FP4 ragged logits kernel reads packed FP4 keys (uint8 [N, {FP4_VALUE_BYTES}]), "
+                         f"got {k.dtype} {list(k.shape)}: fp8 keys are read by logits.ragged_mqa_logits")
+    return launch_ragged_logits(q, k, k_scales, weights, ks, ke, fp4=True)

@@ -1,5 +1,6 @@
-"""The Triton paged logits over V4's FP4 pages (``paged64_fp4_e2m1``, `backends/triton/logits_fp4.py`) against the
-reference, on fresh random keys and queries.
+"""The Triton logits over V4's FP4 keys (`backends/triton/logits_fp4.py`) against the reference, on fresh random keys
+and queries: paged over the ``paged64_fp4_e2m1`` pages (decode) and ragged over rows gathered from them in their
+stored bytes (prefill, `IndexKCache.gather_packed`).
 
 Without CUDA the kernel runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before the kernel module is
 imported); with CUDA the same tests run on the GPU. Tolerance: rtol 1e-5 and atol 1e-5 x the row's largest |logit|
@@ -84,3 +85,63 @@ def test_fp4_kernel_takes_the_fnuz_flavour_and_refuses_the_fp8_pages(device):
     check_against_reference(got.cpu(), want, 2e-3 if device == "cuda" else 1e-5)
     with pytest.raises(ValueError, match="reads the paged64_fp4_e2m1 pages"):
         logits_fp4.paged_mqa_logits_fp4(q, IndexKCache.allocate(2).data, weights, lens, table, 100)
+
+
+def _ragged_case(gen: torch.Generator, rows: int, heads: int, keys: int):
+    """Fresh FP4 keys gathered in their stored bytes in a shuffled order, q through the recipe's FP4 quant (folded
+    into fp8, its row scale in the weights), windows including an empty row, a one-key row and the last key."""
+    cache = _fp4_cache((keys + 63) // 64, "cpu", gen)
+    packed, scale_bytes = cache.gather_packed(torch.randperm(keys, generator=gen))
+    q, row_scale = ref.rotate_quant_fp4(torch.randn(rows, heads, 128, generator=gen), 32)
+    weights = torch.randn(rows, heads, generator=gen) * row_scale
+    ks = torch.randint(0, keys // 2, (rows,), generator=gen).to(torch.int32)
+    ke = torch.minimum(ks + torch.randint(0, keys, (rows,), generator=gen).to(torch.int32), torch.tensor(keys))
+    ke[0], ks[1], ke[1], ke[-1] = ks[0], 5, 6, keys
+    return q, packed, scale_bytes, weights, ks, ke.to(torch.int32)
+
+
+@pytest.mark.parametrize("rows,heads,keys", [(7, 32, 150), (12, 64, 333), (3, 128, 64)])
+def test_fp4_ragged_logits_match_the_reference(device, rows, heads, keys):
+    gen = torch.Generator().manual_seed(rows * heads + keys)
+    args = _ragged_case(gen, rows, heads, keys)
+    want = ref.ragged_mqa_logits(*args)
+    got = logits_fp4.ragged_mqa_logits_fp4(*[t.to(device) for t in args]).cpu()
+    check_against_reference(got, want, 2e-3 if device == "cuda" else 1e-5)
+    assert bool(torch.isneginf(got[0]).all())  # the empty window
+    assert int((~torch.isneginf(got[1])).sum()) == 1  # one key: column 5
+
+
+def test_fp4_ragged_logits_keep_a_block_the_fold_loses(device):
+    """A key whose block 0 lies 2^20 below its largest block: the fold into one fp8 row scale flushes it, the FP4 rows
+    keep each block's own scale. The kernel matches a float64 sum over the stored values, not the fold."""
+    gen = torch.Generator().manual_seed(3)
+    values, scales = ref.quant_fp4_e2m1(torch.randn(64, 128, generator=gen), 32)
+    scales[:, 0] *= 2.0 ** -20
+    cache = IndexKCache.allocate(1, layout=FP4)
+    store_fp4_rows(cache.data, torch.arange(64), values, scales)
+    packed, scale_bytes = cache.gather_packed(torch.arange(64))
+    q = torch.zeros(2, 32, 128)
+    q[:, :, :32] = torch.randn(2, 32, 32, generator=gen)  # only block 0 counts
+    q = q.to(torch.float8_e4m3fn)
+    weights = torch.rand(2, 32, generator=gen) + 0.5
+    ks, ke = torch.zeros(2, dtype=torch.int32), torch.full((2,), 64, dtype=torch.int32)
+    exact = torch.einsum("shd,nd->shn", q.double(), (values.reshape(64, 4, 32) * scales[..., None]).reshape(64, 128)
+                         .double()).clamp_min(0)
+    exact = (exact * weights.double()[..., None]).sum(1)
+    got = logits_fp4.ragged_mqa_logits_fp4(*[t.to(device) for t in (q, packed, scale_bytes, weights, ks, ke)]).cpu()
+    assert bool((exact.abs() > 0).any())
+    torch.testing.assert_close(got.double(), exact, rtol=2e-3 if device == "cuda" else 1e-5, atol=0)
+    folded, row = cache.gather(torch.arange(64))
+    assert bool((folded.float()[:, :32] == 0).all())  # what the fold keeps of block 0: nothing
+
+
+def test_fp4_ragged_kernel_refuses_fp8_keys_and_the_fp8_kernel_fp4_keys(device):
+    from dsa_indexer.backends.triton import logits
+
+    gen = torch.Generator().manual_seed(4)
+    q, packed, scale_bytes, weights, ks, ke = _ragged_case(gen, 2, 32, 64)
+    keys = torch.randn(64, 128, generator=gen).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="reads packed FP4 keys"):
+        logits_fp4.ragged_mqa_logits_fp4(q, keys, torch.ones(64), weights, ks, ke)
+    with pytest.raises(ValueError, match="FP4 keys .* are read by logits_fp4.ragged_mqa_logits_fp4"):
+        logits.ragged_mqa_logits(q, packed, scale_bytes, weights, ks, ke)
