@@ -102,7 +102,29 @@ def test_a_detected_api_without_the_fp4_function_is_refused(monkeypatch):
 
     legacy = dg.DeepGemmApi(version="9.9-legacy", paged_fn="fp8_paged_mqa_logits")
     monkeypatch.setattr(dg, "detected_api", lambda: legacy)
-    reason = cuda._fp4_paged_available(Target("cuda", "sm100"), Environment.simulated(gpu=True, deep_gemm=True))
+    available = cuda._fp4_available("paged_mqa_logits")
+    reason = available(Target("cuda", "sm100"), Environment.simulated(gpu=True, deep_gemm=True))
     assert reason is not None and "has no fp8_fp4_paged_mqa_logits" in reason
     monkeypatch.setattr(dg, "detected_api", lambda: dg.detect_api(FakeDeepGemmSm100()))
-    assert cuda._fp4_paged_available(Target("cuda", "sm100"), Environment.simulated(gpu=True, deep_gemm=True)) is None
+    assert available(Target("cuda", "sm100"), Environment.simulated(gpu=True, deep_gemm=True)) is None
+
+
+def test_the_factory_self_test_passes_on_the_double_and_catches_a_layout_mistake():
+    module = FakeDeepGemmSm100()
+    adapter = dg.make_fp4_paged_mqa_logits(module, dg.detect_api(module))
+    dg.check_fp4_paged_adapter(adapter, "cpu")
+    assert ("fp8_fp4_paged_mqa_logits", True, False) in module.calls
+
+    def nibbles_swapped(q, kv_cache, weights, lens, table, max_context_len):
+        return adapter(q, _swap_nibbles(kv_cache), weights, lens, table, max_context_len)
+
+    with pytest.raises(RuntimeError, match="FP4 paged logits differ from the reference"):
+        dg.check_fp4_paged_adapter(nibbles_swapped, "cpu")
+
+
+def _swap_nibbles(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The pages with every value byte's two nibbles exchanged (a plausible layout mistake), scales kept."""
+    pages = kv_cache.clone().view(kv_cache.shape[0], -1)
+    values = pages[:, : 64 * 64]
+    pages[:, : 64 * 64] = (values >> 4) | ((values & 0xF) << 4)
+    return pages.view(kv_cache.shape)

@@ -1,5 +1,5 @@
 """DeepGEMM's sm100 layouts without a GPU: the packed ue8m0 scales the sm100 GEMM reads, and the FP4 e2m1 operands of
-``fp8_fp4_mqa_logits`` (DeepGEMM at commit 54e2261: csrc/apis/gemm.hpp, attention.hpp, layout.hpp, smxx_layout.hpp).
+DeepGEMM's FP4 logits (DeepGEMM at commit 54e2261: csrc/apis/gemm.hpp, attention.hpp, layout.hpp, smxx_layout.hpp).
 
 `FakeDeepGemmSm100` (tests/doubles/deep_gemm_sm100.py) is a TEST DOUBLE, not DeepGEMM: see that file for what it
 checks and what it does not say.
@@ -115,34 +115,19 @@ def test_pack_e2m1_round_trips_every_code():
 
 def test_unfold_recovers_the_fp4_values_exactly():
     folded, row_scale, fp4 = _fp4_rows(300, seed=3)
-    values, blocks = dg.unfold_fp4_rows(folded, row_scale)
+    values, blocks = dg.unfold_fp4_rows(folded)  # the row scale stays outside (q's lives in the head weights)
     assert bool(torch.isin(values.abs(), torch.tensor(E2M1)).all())
-    assert torch.equal(values * blocks.repeat_interleave(32, -1), fp4)
-    assert torch.equal(decode_e2m1(dg.pack_e2m1(values)) * unpack_ue8m0_words(dg.pack_ue8m0_rows(blocks)[..., None], 4
-                                                                            ).repeat_interleave(32, -1), fp4)
+    assert torch.equal(values * blocks.repeat_interleave(32, -1), folded.float())
+    assert torch.equal(values * blocks.repeat_interleave(32, -1) * row_scale[:, None], fp4)
+    words = dg.pack_ue8m0_rows(blocks)
+    assert torch.equal(decode_e2m1(dg.pack_e2m1(values)) * unpack_ue8m0_words(words[..., None], 4
+                                                                            ).repeat_interleave(32, -1), folded.float())
 
 
 def test_unfold_refuses_rows_that_are_not_fp4():
-    k_fp8, k_scale = ref.quant_fp8_groups(torch.randn(64, 128), 128, ue8m0=True)
+    k_fp8, _ = ref.quant_fp8_groups(torch.randn(64, 128), 128, ue8m0=True)
     with pytest.raises(IndexerInputError, match="do not hold FP4 values"):
-        dg.unfold_fp4_rows(k_fp8, k_scale.squeeze(-1))
+        dg.unfold_fp4_rows(k_fp8)
 
 
-def test_fp4_ragged_logits_adapter_matches_the_fp8_reference():
-    seq, heads, n = 9, 64, 150
-    q_fold, q_row, _ = _fp4_rows(seq * heads, seed=5)
-    k_fold, k_row, _ = _fp4_rows(n, seed=6)
-    q = q_fold.view(seq, heads, 128)
-    weights = torch.randn(seq, heads) * q_row.view(seq, heads)  # the q row scale lives in the weights
-    ks = torch.tensor([0, 0, 3, 10, 10, 40, 100, 0, 149], dtype=torch.int32)
-    ke = torch.tensor([1, 50, 60, 11, 150, 41, 150, 0, 150], dtype=torch.int32)
-    module = FakeDeepGemmSm100()
-    api = dg.detect_api(module)
-    assert api.ragged_fn == "fp8_fp4_mqa_logits"
-    got = dg.make_fp4_ragged_mqa_logits(module, api)(q, k_fold, k_row, weights, ks, ke)
-    want = ref.ragged_mqa_logits(q, k_fold, k_row, weights, ks, ke)
-    assert module.calls == [("fp8_fp4_mqa_logits", True)]
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
-    visible = ~torch.isneginf(want)
-    torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-5)  # the same products, summed
-    # in another order (the double scales values before the dot, the reference after)
+# The ragged FP4 logits adapter: tests/backends/test_deepgemm_fp4_ragged_cpu.py.

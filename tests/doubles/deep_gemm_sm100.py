@@ -2,7 +2,7 @@
 attention.hpp, layout.hpp, smxx_layout.hpp), not DeepGEMM: plain Python functions with the real functions' names,
 parameter lists and the argument checks DeepGEMM's C++ makes on sm100 (dtype, shape and strides of the scale
 tensors, the recipe), which then decode the packed inputs with the unpacking written here, independently of the
-adapter's packing, and compute with the reference kernels. They test how the adapters lay the data out for the real
+adapter's packing, and compute with the reference kernel (the GEMM) or in float64 here (the logits). They test how the adapters lay the data out for the real
 API; they say nothing about DeepGEMM's kernels (no sm100 GPU was available to run them)."""
 
 import types
@@ -46,7 +46,7 @@ def random_pow2(shape, gen, low=-20, high=4):
 # --- the test double --------------------------------------------------------------------------------------------------
 class FakeDeepGemmSm100(types.ModuleType):
     """A stand-in for ``deep_gemm`` 2.x on an sm100 GPU (see the module docstring): argument checks as DeepGEMM's, then
-    the math through the reference kernels on the independently decoded inputs."""
+    the math on the independently decoded inputs."""
 
     def __init__(self):
         super().__init__("deep_gemm")
@@ -81,17 +81,28 @@ class FakeDeepGemmSm100(types.ModuleType):
         self.calls.append(("fp8_fp4_mqa_logits", q_sf is not None))
         assert q_sf is not None, "this double only takes the FP4 form"
         seq_len, heads, half = q_fp.shape
-        assert q_fp.dtype == torch.int8 and q_fp.is_contiguous() and half * 2 in (64, 128)
+        assert heads in (8, 16, 32, 64) and half * 2 in (64, 128)
+        assert q_fp.dtype == torch.int8 and q_fp.is_contiguous()
         assert q_sf.dtype == torch.int32 and q_sf.shape == (seq_len, heads) and q_sf.is_contiguous()
-        assert kv_fp.dtype == torch.int8 and kv_fp.shape[1] == half and kv_fp.is_contiguous()
-        assert kv_sf.dtype == torch.int32 and kv_sf.shape == (kv_fp.shape[0],) and kv_sf.is_contiguous()
+        keys = kv_fp.shape[0]
+        assert kv_fp.dtype == torch.int8 and kv_fp.shape == (keys, half) and kv_fp.is_contiguous()
+        assert kv_sf.dtype == torch.int32 and kv_sf.shape == (keys,) and kv_sf.is_contiguous()
         assert weights.dtype == torch.float32 and weights.shape == (seq_len, heads) and weights.stride(1) == 1
+        for bound in (cu_seq_len_k_start, cu_seq_len_k_end):
+            assert bound.dtype == torch.int32 and bound.shape == (seq_len,) and bound.is_contiguous()
+        # The adapter's contract needs DeepGEMM's own -inf outside [ks, ke) and logits indexed from column 0.
+        assert clean_logits and max_seqlen_k == 0 and logits_dtype == torch.float32
         blocks = half * 2 // 32
         qv = decode_e2m1(q_fp) * unpack_ue8m0_words(q_sf[..., None], blocks).repeat_interleave(32, -1)
         kvv = decode_e2m1(kv_fp) * unpack_ue8m0_words(kv_sf[..., None], blocks).repeat_interleave(32, -1)
-        # fp32 values (exact products of e2m1 and powers of two) through the fp8 reference with unit key scales
-        ones = torch.ones(kv_fp.shape[0])
-        return ref.ragged_mqa_logits(qv, kvv, ones, weights, cu_seq_len_k_start, cu_seq_len_k_end)
+        scores = torch.einsum("shd,nd->shn", qv.double(), kvv.double()).clamp_min(0)
+        logits = (scores * weights.double()[..., None]).sum(1).float()
+        cols = torch.arange(keys)
+        visible = (cols >= cu_seq_len_k_start.long()[:, None]) & (cols < cu_seq_len_k_end.long()[:, None])
+        # DeepGEMM's result: a view of rows padded to a multiple of 256 columns (garbage, 7.0 here, past N).
+        out = torch.full((seq_len, -(-keys // 256) * 256 or 256), 7.0)
+        out[:, :keys] = torch.where(visible, logits, float("-inf"))
+        return out[:, :keys]
 
     # --- paged FP4 logits (DeepGEMM 54e2261 csrc/apis/attention.hpp: fp8_fp4_paged_mqa_logits) -----------------
     def get_num_sms(self):

@@ -6,6 +6,8 @@ Registrations (all through the one plugin hook):
 - ``paged_mqa_logits.cuda.deepgemm``, ``ragged_mqa_logits.cuda.deepgemm``, ``gemm_fp8_blockscale.cuda.deepgemm``
   at priority 200 (above Triton's 100) for sm90 and sm100, each with a ``supports`` check that names the limit
   a problem hits (head counts, next_n, head dim, fp8 flavour; the GEMM on sm100 declares ``scale_fmt="ue8m0"``);
+- ``paged_mqa_logits.cuda.deepgemm_fp4``, ``ragged_mqa_logits.cuda.deepgemm_fp4`` (`deepgemm_fp4.py`, priority 199,
+  sm100 only, ``keys="fp4"``): DeepGEMM's FP4 logits, each self-tested against the reference by its factory;
 - ``indexer_pipeline.cuda.dual_stream`` (`dual_stream.py`);
 - the probe of the fact ``cuda_jit``: this backend's own CUDA C++ kernels (``csrc/``) compile with nvcc (cached
   on disk, `jit.py`) and pass a self-test against the reference (`topk.probe`);
@@ -63,8 +65,9 @@ def _deep_gemm_probe() -> str | None:
 
 
 # What the DeepGEMM adapters take, declared (dispatch/capabilities.py); the registry reports every failing fact.
-# keys: these read the fp8 132-byte pages (the paged ops' fact; the ragged problem does not carry it).
-LOGITS_CAPS = Capabilities("DeepGEMM logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS)
+# keys: these read fp8 keys: the 132-byte pages (paged), fp8 [N, 128] rows with fp32 scales (ragged); FP4 keys go to
+# the FP4 adapters below.
+LOGITS_CAPS = Capabilities("DeepGEMM logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS, keys=("fp8",))
 PAGED_CAPS = Capabilities("DeepGEMM paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=LOGITS_HEADS,
                           next_n=PAGED_NEXT_N, keys=("fp8",))
 # scale_fmt: sm100's DeepGEMM reads packed ue8m0 scales (the adapter packs power-of-two fp32 scales; fp32 ones would
@@ -74,11 +77,23 @@ GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",), scale_fmt=GEM
                          out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
                          k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
                          n=Rule(lambda n: n % 64 == 0, "N a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
-# V4's FP4 pages (paged64_fp4_e2m1) through fp8_fp4_paged_mqa_logits with q's scales: DeepGEMM asserts sm100 for
-# FP4 (arch_major == 10; sm90 takes fp8 only) and heads 8/16/32/64, head dim 64 or 128 (the library's is 128).
-FP4_PAGED_TARGETS = ("sm100",)
-FP4_PAGED_CAPS = Capabilities("DeepGEMM FP4 paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=(8, 16, 32, 64),
-                              keys=("fp4",))
+# V4's FP4 keys (the paged64_fp4_e2m1 pages, or their bytes gathered for the ragged op) through
+# fp8_fp4_paged_mqa_logits / fp8_fp4_mqa_logits with q's scales: DeepGEMM asserts sm100 for FP4 (arch_major == 10;
+# sm90 takes fp8 only) and heads 8/16/32/64, head dim 64 or 128 (the library's is 128).
+FP4_TARGETS = ("sm100",)
+FP4_HEADS = (8, 16, 32, 64)
+FP4_CAPABILITIES = {
+    "paged_mqa_logits": Capabilities("DeepGEMM FP4 paged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=FP4_HEADS,
+                                     keys=("fp4",)),
+    "ragged_mqa_logits": Capabilities("DeepGEMM FP4 ragged logits", fp8=("fn",), dim=(HEAD_DIM,), heads=FP4_HEADS,
+                                      keys=("fp4",)),
+}
+FP4_DESCRIPTIONS = {
+    "paged_mqa_logits": "DeepGEMM fp8_fp4_paged_mqa_logits over the 68-byte FP4 pages (q unfolded to packed e2m1 + "
+                        "ue8m0 scales; sm100 only; self-tested at build, never run here)",
+    "ragged_mqa_logits": "DeepGEMM fp8_fp4_mqa_logits over FP4 keys as stored (packed e2m1 + ue8m0 bytes; q unfolded; "
+                         "sm100 only; self-tested at build, never run here)",
+}
 CAPABILITIES = {"paged_mqa_logits": PAGED_CAPS, "ragged_mqa_logits": LOGITS_CAPS, "gemm_fp8_blockscale": GEMM_CAPS}
 
 
@@ -106,28 +121,44 @@ def _available(op: str):
     return check
 
 
-def _fp4_paged_available(target: Target, env: Environment) -> str | None:
-    """The detected API must have the FP4-capable paged function (feature detection, as `_available`)."""
-    from .deepgemm import PAGED_NEW, detected_api
+def _fp4_available(op: str):
+    """The detected API must have the FP4-capable function of ``op`` (feature detection, as `_available`)."""
+    def check(target: Target, env: Environment) -> str | None:
+        from .deepgemm import PAGED_NEW, RAGGED_NEW, detected_api
 
-    api = detected_api()
-    if api is not None and api.paged_fn != PAGED_NEW:
-        return f"{api.describe()} has no {PAGED_NEW} (DeepGEMM's FP4 paged logits)"
+        name, what = {"paged_mqa_logits": (PAGED_NEW, "paged"), "ragged_mqa_logits": (RAGGED_NEW, "ragged")}[op]
+        api = detected_api()
+        if api is not None and api.function_for(op) != name:
+            return f"{api.describe()} has no {name} (DeepGEMM's FP4 {what} logits)"
+        return None
+
+    return check
+
+
+def _fp4_supports(problem: Problem, target: Target) -> str | None:
+    """A declared fact the problem does not carry is not checked: a problem that does not say its keys (a coarse
+    one) must not get an adapter that reads FP4 keys only, whatever its head count."""
+    if problem.get("keys") is None:
+        return "the problem does not say its keys (this adapter reads FP4 keys only: ask with keys='fp4')"
     return None
 
 
-def _fp4_paged_factory():
-    """The adapter, self-tested once against the reference on the GPU (it has never run on a real sm100 here): a
-    failure rejects it with the reason and resolution moves on (to the Triton FP4 kernel)."""
-    import deep_gemm
+def _fp4_factory(op: str):
+    def factory():
+        """The adapter, self-tested once against the reference on the GPU (it has never run on a real sm100 here): a
+        failure rejects it with the reason and resolution moves on (to the Triton FP4 kernel or the reference)."""
+        import deep_gemm
 
-    from . import deepgemm
-    from .deepgemm_fp4 import check_fp4_paged_adapter, make_fp4_paged_mqa_logits
+        from . import deepgemm
+        from .deepgemm_fp4 import FP4_ADAPTERS
 
-    adapter = make_fp4_paged_mqa_logits(deep_gemm, deepgemm.api_for(deep_gemm))
-    if torch.cuda.is_available():
-        check_fp4_paged_adapter(adapter, torch.device("cuda", torch.cuda.current_device()))
-    return adapter
+        make, check = FP4_ADAPTERS[op]
+        adapter = make(deep_gemm, deepgemm.api_for(deep_gemm))
+        if torch.cuda.is_available():
+            check(adapter, torch.device("cuda", torch.cuda.current_device()))
+        return adapter
+
+    return factory
 
 
 def _cuda_jit_probe() -> str | None:
@@ -227,13 +258,12 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
                                 supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
                                 info=info)(_factory(op))
-    # DEEPGEMM_PRIORITY - 1: no tie with the fp8 adapter on sm100; a problem that does not say its keys gets that one.
-    registry.implementation("paged_mqa_logits", impl_id="paged_mqa_logits.cuda.deepgemm_fp4", targets=FP4_PAGED_TARGETS,
-                            priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
-                            available=_fp4_paged_available, capabilities=FP4_PAGED_CAPS,
-                            description="DeepGEMM fp8_fp4_paged_mqa_logits over the 68-byte FP4 pages (q unfolded to "
-                                        "packed e2m1 + ue8m0 scales; sm100 only; self-tested at build, never run here)"
-                            )(_fp4_paged_factory)
+    # DEEPGEMM_PRIORITY - 1: no tie with the fp8 adapter on sm100 (the keys fact keeps the two apart).
+    for op in FP4_CAPABILITIES:
+        registry.implementation(op, impl_id=f"{op}.cuda.deepgemm_fp4", targets=FP4_TARGETS,
+                                priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
+                                available=_fp4_available(op), supports=_fp4_supports,
+                                capabilities=FP4_CAPABILITIES[op], description=FP4_DESCRIPTIONS[op])(_fp4_factory(op))
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
