@@ -220,8 +220,15 @@ def test_fp4_layout_c4_indexer_on_the_gpu_matches_the_cpu_reference():
     pages = 40
     table = torch.arange(pages, dtype=torch.int32).view(2, 20)
     outs = {}
-    for device, layout in (("cpu", "paged64_fp4_e2m1"), ("cuda", "paged64_fp4_e2m1"), ("cuda", "paged64_fp8_e4m3")):
+    runs = (("cpu", "paged64_fp4_e2m1"), ("cuda", "paged64_fp4_e2m1"), ("cuda", "paged64_fp8_e4m3"),
+            ("cuda", "folded"))
+    for device, layout in runs:
         indexer = Indexer(cfg, device=device).init_random(seed)
+        if layout == "folded":  # the FP4 pages with prefill folding their keys into fp8 rows (the fp8 kernels)
+            indexer.fp4_prefill_keys, layout = "folded", "paged64_fp4_e2m1"
+            key = (device, "folded")
+        else:
+            key = (device, layout)
         cache = indexer.allocate_cache(pages, layout)
         state = CompressorState.allocate(2, cfg, device)
         pb = PrefillBatch.build([0, 0], lengths, table, device=device, num_cache_pages=pages, compress_ratio=4)
@@ -234,7 +241,7 @@ def test_fp4_layout_c4_indexer_on_the_gpu_matches_the_cpu_reference():
             rows = slice(n + 2 * step, n + 2 * step + 2)
             dec.append(indexer(x[rows].to(device), q_lora[rows].to(device), db.positions, db, cache,
                                compressor_state=state))
-        outs[(device, layout)] = (torch.cat([pre] + dec).cpu(), cache.data.cpu(), dec)
+        outs[key] = (torch.cat([pre] + dec).cpu(), cache.data.cpu(), dec)
 
     def agreement(a, b):
         agree = total = 0
@@ -252,6 +259,9 @@ def test_fp4_layout_c4_indexer_on_the_gpu_matches_the_cpu_reference():
     same_bytes = (gpu_cache == cpu_cache).float().mean().item()
     vs_cpu, vs_fold = agreement(gpu_idx, cpu_idx), agreement(gpu_idx, fold_idx)
     decode_vs_fold = agreement(torch.cat(gpu_dec).cpu(), torch.cat(fold_dec).cpu())
+    # Prefill over the same FP4 pages, keys read as stored (the Triton FP4 ragged logits) vs folded (fp8 kernels).
+    packed_vs_folded = agreement(gpu_idx, outs[("cuda", "folded")][0])
     print(f"FP4 pages, C4 indexer on the GPU: top-512 agreement {vs_cpu:.5f} with the CPU reference (cache bytes equal "
-          f"{same_bytes:.5f}); {vs_fold:.5f} with the fold path on the GPU (decode rows {decode_vs_fold:.5f})")
-    assert same_bytes > 0.99 and vs_cpu >= 0.99 and vs_fold >= 0.99
+          f"{same_bytes:.5f}); {vs_fold:.5f} with the fold path on the GPU (decode rows {decode_vs_fold:.5f}); "
+          f"prefill keys packed vs folded {packed_vs_folded:.5f}")
+    assert same_bytes > 0.99 and vs_cpu >= 0.99 and vs_fold >= 0.99 and packed_vs_folded >= 0.99

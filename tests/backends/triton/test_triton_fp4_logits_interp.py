@@ -19,11 +19,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.triton import logits_fp4  # noqa: E402
-from dsa_indexer.contract.cache import IndexKCache, store_fp4_rows  # noqa: E402
+from dsa_indexer.backends.triton.fp4_codes import e2m1_fp8_bits  # noqa: E402
+from dsa_indexer.contract.cache import E2M1_GRID, IndexKCache, store_fp4_rows  # noqa: E402
 
 FP4 = "paged64_fp4_e2m1"
 
@@ -145,3 +147,22 @@ def test_fp4_ragged_kernel_refuses_fp8_keys_and_the_fp8_kernel_fp4_keys(device):
         logits_fp4.ragged_mqa_logits_fp4(q, keys, torch.ones(64), weights, ks, ke)
     with pytest.raises(ValueError, match="FP4 keys .* are read by logits_fp4.ragged_mqa_logits_fp4"):
         logits.ragged_mqa_logits(q, packed, scale_bytes, weights, ks, ke)
+
+
+@triton.jit
+def _decode_nibbles(nibbles_ptr, out_ptr, FNUZ: tl.constexpr):
+    offs = tl.arange(0, 16)
+    tl.store(out_ptr + offs, e2m1_fp8_bits(tl.load(nibbles_ptr + offs), FNUZ))
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+def test_every_nibble_becomes_its_e2m1_value_in_fp8(device, fp8):
+    """All 16 nibbles through the kernels' integer decode (`fp4_codes.e2m1_fp8_bits`), read back as fp8, against the
+    e2m1 grid; negative zero (nibble 8) reads as +0 (e4m3fnuz has no -0: its 0x80 is NaN)."""
+    if device == "cuda" and fp8 == torch.float8_e4m3fnuz:
+        pytest.skip("e4m3fnuz is gfx942's flavour: the interpreter only")
+    out = torch.empty(16, dtype=torch.uint8, device=device)
+    _decode_nibbles[(1,)](torch.arange(16, dtype=torch.uint8, device=device), out, FNUZ=fp8 == torch.float8_e4m3fnuz)
+    got = out.cpu().view(fp8).float()
+    want = torch.tensor(list(E2M1_GRID) + [-v for v in E2M1_GRID])
+    assert torch.equal(got, want) and not bool(torch.signbit(got[8]))
