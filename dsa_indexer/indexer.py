@@ -22,7 +22,7 @@ from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
-from .dispatch.registry import Resolution
+from .dispatch.registry import Registry, Resolution
 from .dispatch.target import Target, detect_target
 from .contract.specs import PIPELINE_OP
 from .pipeline import STEPS, k_path, k_path_plain
@@ -60,6 +60,9 @@ def _version_of(t: torch.Tensor) -> int:
         return t._version
     except RuntimeError:  # inference tensors keep no version counter (weights are then written once)
         return -1
+
+
+FP4_PREFILL_KEYS = ("auto", "packed", "folded")  # `Indexer.fp4_prefill_keys`
 
 
 class Indexer(nn.Module):
@@ -114,10 +117,12 @@ class Indexer(nn.Module):
         # per decode step); False runs them as two GEMMs (the dual-stream strategy then overlaps wk with wq_b).
         self.fuse_x_projections = True
         # How prefill scores V4's FP4 pages (paged64_fp4_e2m1): "packed" reads the keys as stored (uint8 e2m1 rows and
-        # their ue8m0 block bytes: half the gathered bytes, every block its own scale; the FP4 ragged logits, e.g.
-        # DeepGEMM's fp8_fp4_mqa_logits on sm100), "folded" folds them into fp8 rows with one power-of-two scale
-        # (the fp8 ragged kernels and fused top-ks; a block more than 2^14 below its row's largest loses precision).
-        self.fp4_prefill_keys = "packed"
+        # their ue8m0 block bytes: half the gathered bytes, every block its own scale; the FP4 ragged logits),
+        # "folded" folds them into fp8 rows with one power-of-two scale (the fp8 ragged kernels and top-ks; a block
+        # more than 2^14 below its row's largest loses precision), "auto" (default): packed where the FP4 logits
+        # resolved for the target multiply FP4 natively (registry info ``native_fp4``: DeepGEMM's fp8_fp4_mqa_logits
+        # on sm100), else folded (the Triton FP4 kernel decodes nibbles: 5.3x the fp8 kernel's time on the H200).
+        self.fp4_prefill_keys = "auto"
         self._plans: dict[tuple, StepPlan] = {}
         self._registry = None  # default_registry(), taken on the first step  # `step_plan`: one per problem class, weights and registry state
         self._x_projection: tuple[tuple, torch.Tensor] | None = None
@@ -481,7 +486,7 @@ class Indexer(nn.Module):
         strategy = registry.function(PIPELINE_OP, target, problem)
         resolution = registry.used.get((PIPELINE_OP, target, problem)) or registry.choose(PIPELINE_OP, target, problem)
         wq_b_fp8, wk_fp8 = self.wq_b_is_block_fp8, self.wk_is_block_fp8
-        prefill_keys = self.prefill_key_format(cache_layout)
+        prefill_keys = self.prefill_key_format(cache_layout, registry) if not problem["decode"] else "fp8"
         # The GEMMs' scale_fmt facts from what weight load recorded: no value is read here (a capture may build it).
         wq_b_fmt = self.gemm_scale_fmt("wq_b") if wq_b_fp8 else "fp32"
         wk_fmt = self.gemm_scale_fmt("wk") if wk_fp8 else "fp32"
@@ -508,12 +513,22 @@ class Indexer(nn.Module):
             prefill_keys=prefill_keys,
             scoring_bytes=self.scoring_plan_bytes(prefill_keys) if not problem["decode"] else None)
 
-    def prefill_key_format(self, cache_layout: str) -> str:
+    def prefill_key_format(self, cache_layout: str, registry: Registry | None = None) -> str:
         """The ``keys`` fact of prefill's ragged scoring over a ``cache_layout`` cache: "fp4" (the FP4 pages' keys
-        as stored) when the layout is paged64_fp4_e2m1 and ``fp4_prefill_keys`` is "packed", else "fp8"."""
-        if self.fp4_prefill_keys not in ("packed", "folded"):
-            raise IndexerInputError(f"fp4_prefill_keys must be 'packed' or 'folded', got {self.fp4_prefill_keys!r}")
-        return "fp4" if cache_layout == LAYOUT_PAGED64_FP4 and self.fp4_prefill_keys == "packed" else "fp8"
+        as stored) or "fp8" (gathered fp8 rows: the fp8 pages, or the FP4 ones folded), per ``fp4_prefill_keys``."""
+        knob = self.fp4_prefill_keys
+        if knob not in FP4_PREFILL_KEYS:
+            raise IndexerInputError(f"fp4_prefill_keys must be one of {', '.join(map(repr, FP4_PREFILL_KEYS))}, got "
+                                    f"{knob!r}")
+        if cache_layout != LAYOUT_PAGED64_FP4 or knob == "folded":
+            return "fp8"
+        if knob == "packed":
+            return "fp4"
+        cfg = self.config
+        problem = ops.problem("ragged_mqa_logits", heads=cfg.n_heads, dim=cfg.head_dim,
+                              fp8=ops.fp8_name(self.fp8_dtype), keys="fp4")
+        chosen = (registry or default_registry()).resolve("ragged_mqa_logits", self.target, problem).chosen
+        return "fp4" if chosen is not None and chosen.info.get("native_fp4") else "fp8"
 
     # --- the step -----------------------------------------------------------------------------------------
     def check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:

@@ -365,11 +365,28 @@ def test_c4_prefill_scores_the_packed_fp4_keys_as_the_folded_ones(budget, monkey
 def test_the_fp4_prefill_keys_knob():
     cfg = IndexerConfig.deepseek_v4_flash(key_quant="fp4_e2m1")
     indexer = Indexer(cfg)
-    assert indexer.fp4_prefill_keys == "packed" and indexer.prefill_key_format(FP4) == "fp4"
+    assert indexer.fp4_prefill_keys == "auto"
+    assert indexer.prefill_key_format(FP4) == "fp8"  # the CPU: no FP4-native logits, so the fold
     assert indexer.prefill_key_format(kc.LAYOUT_PAGED64) == "fp8"
+    indexer.fp4_prefill_keys = "packed"
+    assert indexer.prefill_key_format(FP4) == "fp4" and indexer.prefill_key_format(kc.LAYOUT_PAGED64) == "fp8"
     assert indexer.step_plan(256, False, cache_layout=FP4).prefill_keys == "fp4"
+    assert indexer.step_plan(1, True, cache_layout=FP4).prefill_keys == "fp8"  # decode reads the pages in place
     indexer.fp4_prefill_keys = "folded"
     assert indexer.step_plan(256, False, cache_layout=FP4).prefill_keys == "fp8"
     indexer.fp4_prefill_keys = "fp4"
-    with pytest.raises(IndexerInputError, match="fp4_prefill_keys must be 'packed' or 'folded', got 'fp4'"):
+    with pytest.raises(IndexerInputError, match="fp4_prefill_keys must be one of 'auto', 'packed', 'folded', got"):
         indexer.step_plan(256, False, cache_layout=FP4)
+
+
+@pytest.mark.parametrize("arch,want", [("sm100", "fp4"), ("sm90", "fp8")])
+def test_auto_packs_the_fp4_keys_only_where_the_logits_are_fp4_native(arch, want):
+    """sm100 with DeepGEMM: its fp8_fp4_mqa_logits (registry info native_fp4) reads the keys as stored; sm90 gets
+    the Triton FP4 kernel, which decodes nibbles (5.3x the fp8 kernel's time on the H200), so the keys are folded."""
+    from dsa_indexer.dispatch.plugins import load_plugins
+    from dsa_indexer.dispatch.registry import Registry
+
+    registry = Registry(environment=Environment.simulated(gpu=True, triton=True, deep_gemm=True, cuda_jit=True))
+    load_plugins(registry, entry_points=False)
+    indexer = Indexer(IndexerConfig.deepseek_v4_flash(key_quant="fp4_e2m1"), target=arch)
+    assert indexer.prefill_key_format(FP4, registry) == want

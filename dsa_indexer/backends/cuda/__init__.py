@@ -259,11 +259,14 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
                                 info=info)(_factory(op))
     # DEEPGEMM_PRIORITY - 1: no tie with the fp8 adapter on sm100 (the keys fact keeps the two apart).
+    # native_fp4: sm100's FP4 MMAs take the packed operands (no nibble decode): `Indexer.fp4_prefill_keys="auto"`
+    # reads the FP4 pages as stored for prefill where the FP4 ragged logits resolve to such an implementation.
     for op in FP4_CAPABILITIES:
         registry.implementation(op, impl_id=f"{op}.cuda.deepgemm_fp4", targets=FP4_TARGETS,
                                 priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
                                 available=_fp4_available(op), supports=_fp4_supports,
-                                capabilities=FP4_CAPABILITIES[op], description=FP4_DESCRIPTIONS[op])(_fp4_factory(op))
+                                capabilities=FP4_CAPABILITIES[op], description=FP4_DESCRIPTIONS[op],
+                                info={"native_fp4": True})(_fp4_factory(op))
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
