@@ -42,8 +42,8 @@ FP4 (DeepSeek-V4's indexer recipe): ``fp8_fp4_mqa_logits`` / ``fp8_fp4_paged_mqa
 packed ue8m0 block scales when q's scale tensor is given, on sm100 only (DeepGEMM 54e2261, csrc/apis/attention.hpp).
 `deepgemm_fp4.make_fp4_paged_mqa_logits` reads V4's 68-byte FP4 pages (``paged64_fp4_e2m1``, DeepGEMM's own
 layout) and is registered for sm100 (``paged_mqa_logits.cuda.deepgemm_fp4``, problem fact ``keys="fp4"``);
-`deepgemm_fp4.make_fp4_ragged_mqa_logits` adapts the ragged one to the library's folded FP4 rows and is not
-registered (docs/v4.md says why).
+`deepgemm_fp4.make_fp4_ragged_mqa_logits` takes the FP4 rows gathered from those pages as stored (the ragged ops'
+``keys="fp4"`` form) and is registered for sm100 too (``ragged_mqa_logits.cuda.deepgemm_fp4``).
 """
 
 from __future__ import annotations
