@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsa_indexer import CompressorState, IndexerConfig, Indexer, PrefillBatch, ops  # noqa: E402
+from dsa_indexer.bench.timing import eager_event_times, topk_set_agreement  # noqa: E402
 from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
 
 FP4_LAYOUT = "paged64_fp4_e2m1"
@@ -42,27 +43,7 @@ KNOBS = ("packed", "folded")
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-def _same_sets(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
-    step = max(1, a.shape[0] // rows)
-    agree = total = 0
-    for ra, rb in zip(a[::step].cpu().tolist(), b[::step].cpu().tolist()):
-        sa, sb = set(ra) - {-1}, set(rb) - {-1}
-        agree += len(sa & sb)
-        total += len(sb)  # rows with no visible key (the first 3 tokens) count for nothing
-    return agree / max(1, total)
+    return statistics.median(eager_event_times(fn, repeats))
 
 
 def bench(tokens: int, repeats: int, configs: list[dict]) -> dict:
@@ -86,7 +67,7 @@ def bench(tokens: int, repeats: int, configs: list[dict]) -> dict:
         report["layer_ms"][knob] = _median_ms(
             lambda: outputs.__setitem__(knob, indexer(x, q_lora, batch.positions, batch, cache,
                                                       compressor_state=state)), repeats)
-    report["set_agreement_packed_vs_folded"] = _same_sets(outputs["packed"], outputs["folded"])
+    report["set_agreement_packed_vs_folded"] = topk_set_agreement(outputs["packed"], outputs["folded"])
 
     plan = indexer.step_plan(tokens, False, cache_layout=FP4_LAYOUT)
     q_fp8, weights = plan.steps.q_path(plan, x, q_lora, batch.positions, None)

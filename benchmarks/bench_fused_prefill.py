@@ -38,24 +38,11 @@ import torch  # noqa: E402
 from dsa_indexer import ops  # noqa: E402
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.triton.fused_topk import fused_ragged_topk  # noqa: E402
+from dsa_indexer.bench.timing import eager_event_times  # noqa: E402
 from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
 
 HEADS, DIM, TOPK = 64, 128, 2048
 FORCED = {"ragged_mqa_logits": "ragged_mqa_logits.triton.logits", "topk_indices": "topk_indices.triton.topk"}
-
-
-def _time(fn, repeats: int) -> list[float]:
-    fn()  # warm-up (compilation, allocator)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
 
 
 def _peak(fn) -> int:
@@ -119,7 +106,7 @@ def bench_tokens(t: int, args) -> dict:
               "fused_budget_bytes": fused_budget, "times_ms": {}, "peak_bytes": {}}
     for name, fn in (("logits", run_logits), ("unfused", run_unfused), ("fused", run_fused),
                      ("fused_set", run_fused_set)):
-        times = _time(fn, args.repeats)
+        times = eager_event_times(fn, args.repeats)
         result["times_ms"][name] = {"median": statistics.median(times), "all": times}
         print(f"T={t} {name}: {statistics.median(times):.2f} ms (median of {len(times)})", flush=True)
     result["peak_bytes"]["unfused"] = _peak(run_unfused)

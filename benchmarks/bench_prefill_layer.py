@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from dsa_indexer import CompressorState, IndexerConfig, Indexer, IndexKCache, PrefillBatch, ops  # noqa: E402
+from dsa_indexer.bench.timing import topk_set_agreement  # noqa: E402
 from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
 
 OP = "ragged_mqa_topk"
@@ -78,16 +79,6 @@ def _timed(fn, repeats: int, warmup: bool, extra: dict | None = None) -> tuple[f
         after = _allocator_counts()
         extra["allocator_during_timed_calls"] = {name: after[name] - before[name] for name in ALLOCATOR_COUNTS}
     return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30, result
-
-
-def _same_sets(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
-    step = max(1, a.shape[0] // rows)
-    agree = total = 0
-    for ra, rb in zip(a[::step].cpu().tolist(), b[::step].cpu().tolist()):
-        sa, sb = set(ra) - {-1}, set(rb) - {-1}
-        agree += len(sa & sb)
-        total += max(1, len(sb))
-    return agree / total
 
 
 def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tuple[str, ...] = ()) -> dict:
@@ -151,7 +142,7 @@ def bench(tokens: int, repeats: int, warmup: bool, model: str = "v32", only: tup
             registry.force(OP, None)
     if len(outputs) > 1:
         first, *rest = list(outputs)
-        report["set_agreement_vs_" + first] = {impl: _same_sets(outputs[impl], outputs[first]) for impl in rest}
+        report["set_agreement_vs_" + first] = {impl: topk_set_agreement(outputs[impl], outputs[first]) for impl in rest}
     outputs.clear()
     if tokens > SCORING_ALONE_MAX_TOKENS or not impls:  # q for every row at once would hold ~57 KiB per token
         report["scoring_ms"] = f"not measured above {SCORING_ALONE_MAX_TOKENS} tokens (q of every row at once)"

@@ -59,6 +59,34 @@ def rate_spread(timing: Timing, amount: float) -> dict:
     return spread
 
 
+def eager_event_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Milliseconds of ``repeats`` eager calls of ``fn`` on the current CUDA device, each between two CUDA events,
+    after one untimed call (compilation, allocator growth): for work too large or too host-driven to capture."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
+def topk_set_agreement(got: torch.Tensor, want: torch.Tensor, rows: int = 2048) -> float:
+    """The share of ``want``'s selected indices (-1 padding left out) that ``got`` selects too, over about ``rows``
+    evenly spaced rows; rows that select nothing count for nothing (1.0 when no row selects anything)."""
+    step = max(1, got.shape[0] // rows)
+    agree = total = 0
+    for row_got, row_want in zip(got[::step].cpu().tolist(), want[::step].cpu().tolist()):
+        chosen = set(row_want) - {-1}
+        agree += len((set(row_got) - {-1}) & chosen)
+        total += len(chosen)
+    return agree / total if total else 1.0
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsa_indexer import bench
 from dsa_indexer.cli import main
@@ -255,3 +256,13 @@ def test_a_saved_report_renders_again_without_measuring(tmp_path, capsys):
     assert "not a dsa-indexer bench report" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--from-json", str(tmp_path / "missing.json")])
+
+
+def test_topk_set_agreement_counts_selected_indices_only():
+    from dsa_indexer.bench.timing import topk_set_agreement
+
+    want = torch.tensor([[3, 1, -1], [-1, -1, -1], [0, 2, 4]])
+    assert topk_set_agreement(want.flip(1), want) == 1.0  # order inside a row does not count
+    got = torch.tensor([[1, 5, -1], [7, -1, -1], [4, 2, 0]])
+    assert topk_set_agreement(got, want) == 4 / 5  # the empty row adds nothing, its extra index neither
+    assert topk_set_agreement(torch.full((2, 2), -1), torch.full((2, 2), -1)) == 1.0
