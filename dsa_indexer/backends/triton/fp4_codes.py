@@ -1,14 +1,28 @@
 """Triton helpers that read V4's FP4 keys as stored (`contract/cache.py`): packed e2m1 (element 2i in the low nibble
 of byte i, a nibble ``sign << 3 | code``) and one ue8m0 byte per block of 32 dims. Shared by the paged FP4 logits
 (`logits_fp4.py`, the 68-byte pages) and the ragged logits over gathered FP4 rows (`logits.py`), so both score a key
-with the same arithmetic: per block, the e2m1 values are exact in fp8 e4m3 (and e4m3fnuz) and are made as fp8 bits
-by integer arithmetic, one fp8 dot of K = 32 with q's same dims, then times the block's scale in fp32.
+with the same arithmetic: per block, the e2m1 values are exact in fp8 e4m3 (and e4m3fnuz), one fp8 dot of K = 32
+with q's same dims, then times the block's scale in fp32.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def e2m1_value(nibble):
+    """A nibble ``sign << 3 | code`` as fp32 (code = 2 * exponent + mantissa bit, exponent bias 1; code 1 is the
+    subnormal 0.5), built from its fp32 bits and converted to fp8 by the caller. Measured on the H200 against two
+    other decodes (`benchmarks/results/fp4_decode_ab_h200.json`): fp32 arithmetic (shifts, an int-to-float conversion
+    and multiplies) took 18% longer, building the fp8 bytes by integer arithmetic and bitcasting 36% longer."""
+    nibble = nibble.to(tl.int32)
+    code = nibble & 7
+    # fp32 bits: code >= 2 is exponent field (code >> 1) + 126, mantissa bit 22 = code & 1, i.e. (code + 252) << 22;
+    # code 1 is 0.5 (0x3F000000), code 0 is +0 (no -0: e4m3fnuz has none); the sign goes to bit 31.
+    bits = tl.where(code >= 2, (code + 252) << 22, code * 0x3F000000) | tl.where(code != 0, (nibble & 8) << 28, 0)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -20,24 +34,10 @@ def ue8m0_value(byte):
 
 
 @triton.jit
-def e2m1_fp8_bits(nibble, FNUZ: tl.constexpr):
-    """A nibble ``sign << 3 | code`` as the bits of the same value in fp8 e4m3fn (``FNUZ``: e4m3fnuz), by integer
-    arithmetic (no fp32 decode and conversion): code = 2 * e + m is ``2^(e - 1) * (1 + m / 2)``
-    for e >= 1, i.e. e4m3 exponent field e + 6 (fnuz: + 7) and mantissa m << 2, which is ``(code + 12) << 2`` (fnuz:
-    ``+ 14``); code 1 (0.5) is exponent field 6 (fnuz: 7), code 0 is 0 with no sign (fnuz's 0x80 is NaN)."""
-    nibble = nibble.to(tl.int32)
-    code = nibble & 7
-    bias: tl.constexpr = 14 if FNUZ else 12
-    half: tl.constexpr = 0x38 if FNUZ else 0x30
-    mag = tl.where(code >= 2, (code + bias) << 2, code * half)
-    return (mag | tl.where(code != 0, (nibble & 8) << 4, 0)).to(tl.uint8)
-
-
-@triton.jit
 def fp4_block_scores(value_rows, scale_rows, key_ok, q_t, blk: tl.constexpr, BLOCK: tl.constexpr):
     """Block ``blk`` (dims [32 blk, 32 blk + 32)) of a tile of keys against q's same dims ``q_t`` [32, cols]:
     ``value_rows`` / ``scale_rows`` [TILE] point at each key's packed bytes and its scale bytes. The e2m1 values as
-    fp8 bits (exact), one fp8 dot, then the block's scale per key in fp32: [TILE, cols].
+    fp8 (exact), one fp8 dot, then the block's scale per key in fp32: [TILE, cols].
 
     The nibbles are interleaved back into dim order in registers (join + reshape). Loading each byte twice instead
     (column j < 16 the low nibble of byte j, j >= 16 the high one of byte j - 16, with q's dims permuted to match)
@@ -45,11 +45,9 @@ def fp4_block_scores(value_rows, scale_rows, key_ok, q_t, blk: tl.constexpr, BLO
     half: tl.constexpr = BLOCK // 2  # a block's 32 values are 16 packed bytes
     offs = blk * half + tl.arange(0, half)
     packed = tl.load(value_rows[:, None] + offs[None, :], mask=key_ok[:, None], other=0)
-    fnuz: tl.constexpr = q_t.dtype == tl.float8e4b8
-    bits = tl.reshape(tl.join(e2m1_fp8_bits(packed & 0xF, fnuz), e2m1_fp8_bits(packed >> 4, fnuz)),
-                      (packed.shape[0], BLOCK))
+    values = tl.reshape(tl.join(e2m1_value(packed & 0xF), e2m1_value(packed >> 4)), (packed.shape[0], BLOCK))
     scale = ue8m0_value(tl.load(scale_rows + blk, mask=key_ok, other=127))
-    return tl.dot(bits.to(q_t.dtype, bitcast=True), q_t) * scale[:, None]
+    return tl.dot(values.to(q_t.dtype), q_t) * scale[:, None]
 
 
 @triton.jit
