@@ -121,7 +121,8 @@ class Indexer(nn.Module):
         # "folded" folds them into fp8 rows with one power-of-two scale (the fp8 ragged kernels and top-ks; a block
         # more than 2^14 below its row's largest loses precision), "auto" (default): packed where the FP4 logits
         # resolved for the target multiply FP4 natively (registry info ``native_fp4``: DeepGEMM's fp8_fp4_mqa_logits
-        # on sm100), else folded (the Triton FP4 kernel decodes nibbles: 3.8x the fp8 kernel's time at 128K on the H200).
+        # on sm100), else folded (the Triton FP4 kernel decodes nibbles: 3.8x the fp8 kernel's time at 128K on the
+        # H200).
         self.fp4_prefill_keys = "auto"
         self._plans: dict[tuple, StepPlan] = {}
         self._registry = None  # default_registry(), taken on the first step  # `step_plan`: one per problem class, weights and registry state
