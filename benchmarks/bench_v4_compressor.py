@@ -21,16 +21,9 @@ from bench_q_lora_reuse import cuda_bench_args, replay_us
 
 
 def event_ms(fn, runs: int = 5) -> float:
-    fn()
-    samples = []
-    for _ in range(runs):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop))
-    return statistics.median(samples)
+    from dsa_indexer.bench.timing import eager_event_times
+
+    return statistics.median(eager_event_times(fn, runs))
 
 
 def main() -> int:
