@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_fp4_prefill import tile_configs  # noqa: E402
 
 from dsa_indexer.backends.reference import kernels as ref  # noqa: E402
 from dsa_indexer.backends.triton import logits as fp8_logits  # noqa: E402
@@ -79,8 +80,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_fp4_decode needs a CUDA GPU")
         return 0
-    configs = [{key: int(value) for key, value in (item.split("=") for item in part.split(","))}
-               for part in args.configs.split(";") if part]
+    configs = tile_configs(args.configs)
     timer = Timer(torch.device("cuda"), args.repeats)
     ceilings, _ = measure_ceilings(torch.device("cuda"), timer)
     results = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),

@@ -111,6 +111,12 @@ def bench(tokens: int, repeats: int, configs: list[dict]) -> dict:
     return report
 
 
+def tile_configs(text: str) -> list[dict]:
+    """--configs: ';'-separated tile choices, each 'key=value,...' (`logits.config_override` keys); '' for none."""
+    return [{key: int(value) for key, value in (item.split("=") for item in part.split(","))}
+            for part in text.split(";") if part]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="8192,32768,131072", help="comma-separated T (prefill tokens)")
@@ -124,8 +130,7 @@ def main(argv=None) -> int:
         return 0
     results = {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": []}
-    configs = [{key: int(value) for key, value in (item.split("=") for item in part.split(","))}
-               for part in args.configs.split(";") if part]
+    configs = tile_configs(args.configs)
     for tokens in (int(t) for t in args.tokens.split(",") if t):
         started = time.perf_counter()
         run = bench(tokens, args.repeats, configs)
