@@ -1,22 +1,30 @@
-"""Top-k (k = 2048) on real decode logits: this library's CUDA kernel (its planned launch and, with --plans, every
-other launch that holds the rows), torch.topk, optionally the Triton top-k and engine kernels, side by side in one
-run.
+"""Top-k on real decode logits in the ways engines call it: this library's CUDA kernel (its planned launch and, with
+--plans, other launches), torch.topk, optionally the Triton top-k and engine kernels, side by side in one run.
 
-    python3 benchmarks/bench_topk_engines.py --out DIR [--batches 1 32 64 128] [--contexts 8192 32768 131072]
-        [--repeats 50] [--plans] [--triton] [--engines PATH.py] [--budget-s 300]
+    python3 benchmarks/bench_topk_engines.py --out DIR [--cells grid padded mixed v4] [--batches 1 32 64 128]
+        [--contexts 8192 32768 131072] [--repeats 50] [--plans] [--triton] [--engines PATH.py] [--budget-s 300]
+
+Cells (--cells; all four by default):
+- grid: B x ctx logits of width ctx (every row ctx long), k = 2048;
+- padded: rows of one length in logits padded to max_model_len (163840, vLLM's V3.2 width): 1 / 32 / 128 x 8K and
+  32 x 32K, k = 2048;
+- mixed: 32 and 128 rows of lengths log-uniform in [2K, 128K] (seeded) in the same padded width, k = 2048;
+- v4: V4's k = 512 on B x ctx of width ctx, ctx in 2K / 8K / 32K (compressed-key rows).
+Columns past a row's length hold a value above every real logit, so a kernel that reads them selects them and the
+check fails.
 
 Logits: keys stored by the project's own k path (random bf16 activations drawn on the GPU, seeded random V3.2
 weights), queries from its q path, paged logits through the registry: one cache of 128 requests x the longest
-context; a shorter context is the first tokens of the same requests. Timing (`dsa_indexer.bench.Timer`): CUDA-graph
+context; a shorter row is the first tokens of the same request. Timing (`dsa_indexer.bench.Timer`): CUDA-graph
 replays timed by CUDA events, a 256 MiB L2 flush before each, the median of --repeats. Every result is checked
-exactly: the multiset of the logits it selects (NaN-free here) must equal torch.topk's values, and the indices
-must be distinct and in range.
+exactly: per row, the multiset of the logits it selects (NaN-free here) must equal torch.topk's over the row's
+valid columns, and the indices must be distinct and inside the row.
 
 --engines PATH.py: a file (kept outside the repository: engine code and bindings are never committed) defining
 ``engines() -> dict[name, callable(logits, k, ends) -> int indices [B, >= k]]``; each is timed like ours. The file
 may define ``VERSIONS`` (what was built, from which release), recorded in the JSON, and ``engines.path_seen``
 (``{(B, width): the kernel an engine's own dispatch took}``), recorded per cell.
-Writes DIR/topk_engines.json with the command, versions and the grid.
+Writes DIR/topk_engines.json with the command, versions, every cell and, per cell, ours over the best engine.
 """
 
 from __future__ import annotations
@@ -73,24 +81,88 @@ def real_logits(batch: int, context: int, device: torch.device, seed: int = 0):
     return logits_for
 
 
-def check(logits: torch.Tensor, got: torch.Tensor, want_values: torch.Tensor) -> int:
-    """Rows whose selection is wrong: the selected values' multiset differs from torch.topk's, or indices repeat
-    or leave the row."""
-    got = got[:, :K].long()
-    bad = (got < 0) | (got >= logits.shape[1])
-    vals = logits.gather(1, got.clamp(0, logits.shape[1] - 1)).sort(dim=1, descending=True).values
-    wrong = bad.any(dim=1) | (vals != want_values).any(dim=1)
-    wrong |= (got.sort(dim=1).values.diff(dim=1) == 0).any(dim=1)
-    return int(wrong.sum())
+PADDED_WIDTH = 163840  # vLLM pads V3.2 decode logits to max_model_len
+PADDED_CELLS = ((1, 8192), (32, 8192), (128, 8192), (32, 32768))
+MIXED_BATCHES = (32, 128)
+MIXED_RANGE = (2048, 131072)
+V4_K = 512
+V4_CONTEXTS = (2048, 8192, 32768)
+
+
+def check(logits: torch.Tensor, ends: torch.Tensor, k: int, got: torch.Tensor) -> int:
+    """Rows whose selection is wrong: the selected values' multiset differs from torch.topk's over the row's valid
+    columns, or indices repeat or leave the row."""
+    wrong = 0
+    got = got[:, :k].long()
+    for length in sorted(set(ends.tolist())):
+        rows = (ends == length).nonzero().flatten()
+        sub, idx = logits[rows, :length], got[rows]
+        want = torch.topk(sub, min(k, length), dim=1).values
+        bad = (idx < 0) | (idx >= length)
+        vals = sub.gather(1, idx.clamp(0, length - 1)).sort(dim=1, descending=True).values[:, : want.shape[1]]
+        row_wrong = bad[:, : want.shape[1]].any(dim=1) | (vals != want).any(dim=1)
+        row_wrong |= (idx[:, : want.shape[1]].sort(dim=1).values.diff(dim=1) == 0).any(dim=1)
+        wrong += int(row_wrong.sum())
+    return wrong
+
+
+def cells(args, device: torch.device):
+    """(family, batch, per-row lengths [B] int32, width, k) of every cell asked for."""
+    out = []
+    if "grid" in args.cells:
+        out += [("grid", b, torch.full((b,), c, dtype=torch.int32), c, K) for c in args.contexts for b in args.batches]
+    if "padded" in args.cells:
+        out += [("padded", b, torch.full((b,), c, dtype=torch.int32), PADDED_WIDTH, K) for b, c in PADDED_CELLS]
+    if "mixed" in args.cells:
+        gen = torch.Generator().manual_seed(35)
+        lo, hi = (torch.tensor(float(x)).log() for x in MIXED_RANGE)
+        for b in MIXED_BATCHES:
+            lens = (lo + (hi - lo) * torch.rand(b, generator=gen)).exp().round().clamp(*MIXED_RANGE).to(torch.int32)
+            out.append(("mixed", b, lens, PADDED_WIDTH, K))
+    if "v4" in args.cells:
+        out += [("v4", b, torch.full((b,), c, dtype=torch.int32), c, V4_K) for c in V4_CONTEXTS for b in args.batches]
+    return out
+
+
+def ours(cuda_topk, args, logits, ends, k, width, sms):
+    """This library's top-k: the planned launch, and with --plans the launches it chooses between."""
+    impls = {"cuda.radix": lambda: cuda_topk.topk_indices(logits, k, ends)}
+    if not args.plans:
+        return impls
+
+    def unpacked():
+        cuda_topk.PACK_ROWS = False
+        try:
+            return cuda_topk.topk_indices(logits, k, ends)
+        finally:
+            cuda_topk.PACK_ROWS = True
+
+    impls["cuda.radix unpacked grid"] = unpacked
+    planned = cuda_topk.plan_for(logits.shape[0], width, sms, 4)
+    reg = cuda_topk.register_plan(logits.shape[0], width, sms)
+    if reg is not None and (planned is None or planned.kernel != "registers"):
+        alt = cuda_topk.Plan("registers", *reg)
+        impls[f"cuda.radix registers x{alt.cluster} keys{alt.per_cta}"] = (
+            lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, alt))
+    if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
+        impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(logits, k, ends, None, None, None,
+                                                                cuda_topk.Plan("stream", 1, 0))
+    longest = int(ends.max())
+    if longest < width:  # what a host bound on the lengths (vLLM's max_seq_len) would give: the plan of the longest
+        trimmed = logits[:, :longest]
+        impls["cuda.radix trimmed to the longest row"] = lambda: cuda_topk.topk_indices(trimmed, k, ends)
+    return impls
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cells", nargs="+", default=["grid", "padded", "mixed", "v4"],
+                        choices=["grid", "padded", "mixed", "v4"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--plans", action="store_true", help="also time every other launch plan that holds the rows")
+    parser.add_argument("--plans", action="store_true", help="also time the other launches the plan chooses between")
     parser.add_argument("--triton", action="store_true", help="also time the Triton top-k")
     parser.add_argument("--engines", default=None, help="a .py file defining engines() (kept out of the repo)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cells after this long")
@@ -110,73 +182,72 @@ def main(argv=None) -> int:
         engines = module.engines()
         engine_module = module
     timer = Timer(device, args.repeats)
-    logits_for = real_logits(max(args.batches), max(args.contexts), device)
+    todo = cells(args, device)
+    longest = max(int(lens.max()) for _, _, lens, _, _ in todo)
+    real = real_logits(max(b for _, b, _, _, _ in todo), longest, device)(longest)
+    above = float(real.max()) * 2 + 1.0  # past a row's end: above every real logit
     print(f"logits ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
-    for ctx in args.contexts:
-        full = logits_for(ctx)
-        for batch in args.batches:
-            if time.perf_counter() - began > args.budget_s:
-                rows.append({"batch": batch, "context": ctx, "skipped": "time budget"})
-                continue
-            logits = full[:batch].contiguous()
-            ends = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-            want = torch.topk(logits, K, dim=1).values
-            cell = {"batch": batch, "context": ctx, "times_us": {}, "wrong_rows": {}}
-            planned = cuda_topk.plan_for(batch, ctx, sms, 4)
-            cell["plan"] = list(planned) if planned else None
-            impls = {"torch.topk": lambda: torch.topk(logits, K, dim=1).indices,
-                     "cuda.radix": lambda: cuda_topk.topk_indices(logits, K, ends)}
-            if args.plans:
-                for keys in cuda_topk.REGISTERS_KEYS:
-                    cluster = -(-ctx // (keys * cuda_topk.REGISTERS_THREADS))
-                    alt = cuda_topk.Plan("registers", cluster, keys)
-                    if cluster <= cuda_topk.REGISTERS_MAX_CLUSTER and alt != planned:
-                        impls[f"cuda.radix {alt.kernel} x{alt.cluster} keys{alt.per_cta}"] = (
-                            lambda alt=alt: cuda_topk.run_plan(logits, K, ends, None, None, None, alt))
-                if planned != cuda_topk.Plan("stream", 1, 0) and ctx <= cuda_topk.STREAM_MAX_COLS:
-                    impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(
-                        logits, K, ends, None, None, None, cuda_topk.Plan("stream", 1, 0))
-                shared = cuda_topk.plan(batch, ctx, sms, 4)
-                if shared is not None:
-                    alt = cuda_topk.Plan("shared", *shared)
-                    impls["cuda.radix shared (previous kernel)"] = (
-                        lambda alt=alt: cuda_topk.run_plan(logits, K, ends, None, None, None, alt))
-            if args.triton:
-                from dsa_indexer.backends.triton import topk as triton_topk
+    for family, batch, lens, width, k in todo:
+        name = f"{family} B={batch} " + (f"len={int(lens[0])}" if bool((lens == lens[0]).all()) else "len=mixed") \
+            + f" width={width} k={k}"
+        if time.perf_counter() - began > args.budget_s:
+            rows.append({"cell": name, "skipped": "time budget"})
+            continue
+        logits = torch.full((batch, width), above, dtype=torch.float32, device=device)
+        for r, n in enumerate(lens.tolist()):
+            logits[r, :n] = real[r, :n]
+        ends = lens.to(device)
+        cell = {"cell": name, "family": family, "batch": batch, "width": width, "k": k,
+                "lengths": lens.tolist() if family == "mixed" else int(lens[0]), "times_us": {}, "wrong_rows": {}}
+        planned = cuda_topk.plan_for(batch, width, sms, 4)
+        cell["plan"] = list(planned) if planned else None
+        impls = {"torch.topk (valid prefix of the longest row)": lambda: torch.topk(logits[:, : int(lens.max())], k,
+                                                                                   dim=1).indices}
+        impls.update(ours(cuda_topk, args, logits, ends, k, width, sms))
+        if args.triton:
+            from dsa_indexer.backends.triton import topk as triton_topk
 
-                impls["triton.topk"] = lambda: triton_topk.topk_indices(logits, K, ends)
-            for name, fn in engines.items():
-                impls[name] = lambda fn=fn: fn(logits, K, ends)
-            for name, fn in impls.items():
-                try:
-                    cell["wrong_rows"][name] = check(logits, fn(), want)
-                    cell["times_us"][name] = round(timer(fn), 2)
-                    cell.setdefault("timing", {})[name] = timer.mode
-                except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
-                    cell.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            seen = getattr(getattr(engine_module, "engines", None), "path_seen", {})
-            if (batch, ctx) in seen:
-                cell["engine_dispatch"] = seen[(batch, ctx)]
-            rows.append(cell)
-            times = cell["times_us"]
-            print(f"B={batch:4d} ctx={ctx:7d} " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())
-                  + f"  wrong={sum(cell['wrong_rows'].values())}", flush=True)
-            del logits
-        del full
-        torch.cuda.empty_cache()
+            impls["triton.topk"] = lambda: triton_topk.topk_indices(logits, k, ends)
+        for engine, fn in engines.items():
+            impls[engine] = lambda fn=fn: fn(logits, k, ends)
+        for impl, fn in impls.items():
+            try:
+                if not impl.startswith("torch.topk"):
+                    cell["wrong_rows"][impl] = check(logits, ends, k, fn())
+                cell["times_us"][impl] = round(timer(fn), 2)
+                cell.setdefault("timing", {})[impl] = timer.mode
+            except Exception as exc:  # noqa: BLE001 - recorded, the rest still runs
+                cell.setdefault("errors", {})[impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        times = cell["times_us"]
+        engine_times = {e: times[e] for e in engines if e in times and cell["wrong_rows"].get(e) == 0}
+        if engine_times and "cuda.radix" in times:
+            best = min(engine_times, key=engine_times.get)
+            cell["best_engine"], cell["ours_over_best_engine"] = best, round(times["cuda.radix"] / times[best], 3)
+        seen = getattr(getattr(engine_module, "engines", None), "path_seen", {})
+        if (batch, width) in seen:
+            cell["engine_dispatch"] = seen[(batch, width)]
+        rows.append(cell)
+        ratio = f"  ours/best={cell['ours_over_best_engine']:.2f}" if "ours_over_best_engine" in cell else ""
+        print(f"{name}: " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())
+              + f"  wrong={sum(cell['wrong_rows'].values())}{ratio}", flush=True)
+        del logits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": "python3 benchmarks/bench_topk_engines.py " + " ".join(argv or sys.argv[1:]),
               "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "cuda": torch.version.cuda, "k": K,
+              "cuda": torch.version.cuda,
               "timing": "CUDA-graph replay, CUDA events, 256 MiB L2 flush before each, median of --repeats",
-              "logits": "real V3.2 decode logits (k path keys, q path query, registry paged logits)",
+              "logits": "real V3.2 decode logits (k path keys, q path query, registry paged logits); columns past "
+                        "a row's length hold a value above every real logit",
               "rows": rows}
     if engine_module is not None:
         report["engine_versions"] = getattr(engine_module, "VERSIONS", None)
     (out / "topk_engines.json").write_text(json.dumps(report, indent=1))
+    behind = [r["cell"] for r in rows if r.get("ours_over_best_engine", 0) > 1.0]
+    if engines:
+        print(f"cells behind the best engine: {len(behind)} of {sum('ours_over_best_engine' in r for r in rows)}")
     return 0
 
 

@@ -489,21 +489,33 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
                                                                                         dtype=torch.int32))
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
                  block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None,
-                 target: Target | str | None = None) -> torch.Tensor:
+                 max_len: int | None = None, target: Target | str | None = None) -> torch.Tensor:
     """The k largest logits of each row among columns ``[starts, ends)`` (starts default 0): int32 [R, k].
 
     Values are positions relative to the row's start (request-local), -1 padded when a row has fewer than k
     visible columns; ties go to the lower index. With ``block_table`` [B, max_pages] (and ``row_request`` [R]
     mapping rows to requests, default row r -> request r) the positions become physical cache slots.
+
+    ``max_len``: a host bound on every row's ``ends`` where the caller has one (vLLM's ``max_seq_len``), for logits
+    padded wider than the rows (engines pad decode logits to max_model_len). The kernels then see only the first
+    ``max_len`` columns (a view, no copy), so the launch is planned for the rows' real length, not the padding;
+    the result is the same. Without it the CUDA kernels route each row by its own ``ends`` on the device.
+    A row ending past ``max_len`` is refused (``ends``' range check, see ``DSA_INDEXER_CHECK_RANGES``).
     """
     v.tensor("logits", logits, dtype=torch.float32, ndim=2)
+    if max_len is not None:
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 0 <= max_len:
+            raise v.IndexerInputError(f"max_len must be a non-negative int (a bound on every row's ends) or None; "
+                                      f"got {max_len!r}")
+        logits = logits[:, : max_len]  # wider than the logits: the whole width, as without a bound
     r, c = logits.shape
     v.positive_int("k", k)
     v.tensor("ends", ends, dtype=torch.int32, shape=(r,), device=logits.device)
-    v.in_range("ends", ends, 0, c + 1, "logits columns")
+    columns = "logits columns" if max_len is None else f"logits columns, bounded by max_len={max_len}"
+    v.in_range("ends", ends, 0, c + 1, columns)
     if starts is not None:
         v.tensor("starts", starts, dtype=torch.int32, shape=(r,), device=logits.device)
-        v.in_range("starts", starts, 0, c + 1, "logits columns")
+        v.in_range("starts", starts, 0, c + 1, columns)
         if v.ranges_checked(starts) and r and bool((ends < starts).any()):
             raise v.IndexerInputError("ends must be >= starts on every row")
     if row_request is not None and block_table is None:

@@ -235,3 +235,66 @@ def _real_decode_step(batch, ctx):
 
     logits, lens, table, q, weights, cache = real_decode_logits(batch, ctx, DEVICE, seed=batch + ctx)
     return logits, lens, table, q, weights, cache
+
+
+# --- per-row routing: rows of their own lengths inside a padded width (engines pad to max_model_len) -------------
+def _padded(lengths, width, seed, above=True):
+    """randn rows of the given lengths in a [R, width] tensor whose columns past each row's end hold values above
+    every visible one (a kernel that reads past an end selects them, and the set check fails)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(len(lengths), width, generator=gen, device=DEVICE)
+    ends = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    past = torch.arange(width, device=DEVICE)[None, :] >= ends[:, None]
+    return logits.masked_fill(past, 1e30 if above else float("nan")), ends
+
+
+@pytest.mark.parametrize("lengths,width", [
+    ([8192], 163840), ([8192] * 32, 163840), ([8192] * 128, 163840), ([32768] * 32, 163840),
+    ([100, 2048, 2049, 5000, 16384, 16387, 16388, 40000, 131072, 163840], 163840),  # solo / cluster boundaries
+    ([3000 + 997 * i for i in range(70)], 131072),  # more rows than one wave of clusters holds
+])
+def test_rows_routed_by_their_own_length(kernel_ready, lengths, width):
+    logits, ends = _padded(lengths, width, seed=len(lengths) * 7 + width % 1000)
+    for plan in [None] + [p for p in _plans(len(lengths), width) if p is not None and p.kernel != "shared"]:
+        _check(logits, 2048, ends, plan=plan)
+        _check(logits, 512, ends, plan=plan)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
+    """Solo and cluster rows in one launch, windows with starts, the slot transform through row_request; both
+    grids (one wave of clusters looping over their rows, one cluster per row)."""
+    monkeypatch.setattr(cuda_topk, "PACK_ROWS", packed)
+    gen = torch.Generator().manual_seed(99)
+    rows, width = 96, 163840
+    lengths = (torch.rand(rows, generator=gen) * 12.0 + 5.0).exp2().long().clamp(1, width - 64).tolist()
+    logits, ends = _padded(lengths, width, seed=5)
+    starts = torch.tensor([int(torch.randint(0, max(n // 3, 1), (1,), generator=gen)) for n in lengths],
+                          dtype=torch.int32, device=DEVICE)
+    table = torch.randperm(64 * (width // 64), generator=gen).to(torch.int32).view(64, width // 64).to(DEVICE)
+    req = torch.randint(0, 64, (rows,), generator=gen, dtype=torch.int32).to(DEVICE)
+    plan = cuda_topk.Plan("registers", *cuda_topk.register_plan(rows, width, _sms()))
+    _check(logits, 2048, ends, starts, plan=plan)
+    _check(logits, 2048, ends, starts, table, req, plan=plan)
+    _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
+
+
+def test_padded_graph_replays_other_lengths(kernel_ready):
+    """A graph captured at one batch of lengths stays right when replayed with others (the routing is read on
+    the device at every replay), and equals the eager call bitwise."""
+    rows, width = 32, 163840
+    logits, ends = _padded([8192] * rows, width, seed=11)
+    out = cuda_topk.topk_indices(logits, 2048, ends)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_topk.topk_indices(logits, 2048, ends)
+    gen = torch.Generator().manual_seed(12)
+    for trial in range(3):
+        lengths = (torch.rand(rows, generator=gen) * 6.0 + 11.0).exp2().long().clamp(1, width).tolist()
+        fresh, fresh_ends = _padded(lengths, width, seed=20 + trial)
+        logits.copy_(fresh)
+        ends.copy_(fresh_ends)
+        graph.replay()
+        want = ref.topk_indices(logits, 2048, ends)
+        assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values), f"trial {trial}"
+        assert torch.equal(out, cuda_topk.topk_indices(logits, 2048, ends)), f"trial {trial}: graph != eager"

@@ -564,3 +564,19 @@ def test_bad_input_names_argument(op, mutate, names):
     assert_names(info.value, names)
     if before is not None:
         assert torch.equal(original_cache, before), "a rejected call wrote into the cache"
+
+
+def test_topk_max_len_bound():
+    """``max_len``: the same result as without it; a row ending past it, or a bound that is not an int, refused
+    naming the argument."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 6000, generator=gen)
+    ends = torch.tensor([100, 3000, 2999, 1], dtype=torch.int32)
+    want = ops.topk_indices(logits, 64, ends)
+    for bound in (3000, 4096, 6000, 10**6):
+        assert torch.equal(ops.topk_indices(logits, 64, ends, max_len=bound), want)
+    with pytest.raises(ValueError, match="ends.*max_len=2999"):
+        ops.topk_indices(logits, 64, ends, max_len=2999)
+    for bad in ("4096", 4096.0, -1, True):
+        with pytest.raises(ValueError, match="max_len"):
+            ops.topk_indices(logits, 64, ends, max_len=bad)

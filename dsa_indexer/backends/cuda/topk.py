@@ -2,7 +2,11 @@
 
 Four kernels, chosen by a plan that is a pure function of the shapes and the device (so a call can be captured
 in a CUDA graph, and the plan is computed once per shape: `plan_for` is cached, so every layer of a decode step
-shares one plan and pays a dictionary look-up for it):
+shares one plan and pays a dictionary look-up for it). The launch's width is only a bound: engines pad decode logits
+to max_model_len. So inside the register and streaming kernels each row is routed on the device by its own window
+(read from ``ends`` / ``starts`` at every call, graph replays included): a row that one 512-thread CTA holds in
+registers (up to 16K columns) is selected by one CTA alone, whatever the launch's cluster; only longer rows pay the
+cluster's barriers or the streaming passes (`registers_grid_rows` packs several rows per cluster for that):
 
 - ``csrc/topk_registers.cu`` for rows up to 16 x 16K columns: 512-thread CTAs, each holding a chunk of
   4K / 8K / 16K columns in registers (8 / 16 / 32 keys per thread); a row longer than one chunk is split over a
@@ -131,6 +135,21 @@ def register_plan(rows: int, cols: int, sms: int) -> tuple[int, int] | None:
     return fewest, keys
 
 
+def registers_grid_rows(rows: int, cluster: int, sms: int) -> int:
+    """Clusters the register kernel launches for ``rows`` rows: one per row while they fit one wave (two CTAs per
+    SM), else one wave of clusters, each looping over its rows. The kernel routes each row by its own window: a
+    row that one CTA holds runs on one CTA of its cluster alone, the cluster's next such row on the next CTA. So
+    when the launch's width is a padding bound (engines pad decode logits to max_model_len) and the rows are
+    short, a wave of clusters runs up to ``cluster`` rows each side by side instead of idling all but one CTA per
+    cluster; long rows take the cluster's turns one after another, as later waves would have."""
+    if not PACK_ROWS or cluster == 1:
+        return min(rows, MAX_GRID_ROWS)
+    return min(rows, MAX_GRID_ROWS, max(1, (REGISTERS_CTAS_PER_SM * sms) // cluster))
+
+
+PACK_ROWS = True  # benchmarks compare the unpacked grid (one cluster per row) with this switch
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
@@ -241,8 +260,8 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols:
             raise ValueError(f"plan {launch} does not cover {cols} columns")
-        err = lib.dsa_topk_registers_launch(*args, launch.cluster, launch.per_cta, int(vec == 4), MAX_GRID_ROWS,
-                                            stream)
+        err = lib.dsa_topk_registers_launch(*args, launch.cluster, launch.per_cta, int(vec == 4),
+                                            registers_grid_rows(rows, launch.cluster, sms), stream)
         message = lib.dsa_topk_registers_error_string
     else:
         lib = _library(capability)

@@ -23,6 +23,10 @@
 //   tied keys' columns (key2 = ~column within 20 bits, larger = lower column) picks the lowest columns exactly.
 // - The output positions: a block exclusive scan of per-thread selected counts (and the lower CTAs' totals), so
 //   no atomic decides a position and the result is bitwise repeatable.
+// - Rows are routed by their own window on the device, not by the launch's width (a padding bound: engines pad
+//   decode logits to max_model_len): a row one CTA holds (its window within KPT * 512 columns of its start rounded
+//   down to 4) is selected by one CTA of its cluster alone, the cluster's next such row by the next CTA; the
+//   streaming kernel selects rows of up to 16K columns in registers the same way instead of streaming them.
 // Launch shape and plan depend on tensor shapes only (no host synchronization: graph-capturable).
 
 #include <cooperative_groups.h>
@@ -156,34 +160,24 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
   count = s.found[2];
 }
 
+// One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
+// CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
+// taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
 template <int KPT>
-__global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
+__device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
+                                                     int* out_row, int rank, int csize, cg::cluster_group& cluster,
+                                                     Shared& s) {
   static_assert(KPT % 4 == 0, "keys are loaded as float4");
   constexpr int kChunk = KPT * kThreads;
   constexpr int kVecs = KPT / 4;
-  __shared__ __align__(16) Shared s;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = (int)cluster.block_rank();
-  const int csize = (int)cluster.num_blocks();
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-
-  for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    const int end = p.ends[row];
-    const int start = p.starts != nullptr ? p.starts[row] : 0;
-    const int req = p.row_request != nullptr ? p.row_request[row] : row;
-    int* out_row = p.out + (long long)row * p.k;
-    const int width = end - start;
-
-    if (width <= p.k) {  // every visible column, then -1 (uniform over the cluster: no cluster barrier here)
-      const int per = (p.k + csize - 1) / csize;
-      const int lo = rank * per, hi = min(p.k, lo + per);
-      for (int j = lo + t; j < hi; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
-      continue;
-    }
-
+  {
     // Column of key [j][i]: base + j * 4 * kThreads + 4 * t + i. base is 16-byte aligned when rows are.
     const int base = (start & ~3) + rank * kChunk;
-    const float* x_row = p.x + (long long)row * p.x_stride;
+    // Key groups j < live hold columns of the window (the same for every thread: a uniform branch per group).
+    // A row shorter than the CTA's chunk (a solo row, or a cluster's last CTAs) then loops over its own keys
+    // only, instead of every register of the chunk.
+    const int live = max(0, min(kVecs, (end - base + 4 * kThreads - 1) / (4 * kThreads)));
     reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);  // level 0's histogram (peers are past it)
 
     unsigned key[KPT];
@@ -226,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       int* h = s.hist[level & 1];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
         const unsigned kk = key[e];
         const bool in_class = kk != 0u && (shift >= 32 || (kk >> shift) == prefix);
         if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
@@ -253,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
         int* h = s.hist[level & 1];
 #pragma unroll
         for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
           if (key[e] == prefix) {
             const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
             const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
@@ -273,6 +269,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     unsigned selected = 0u;  // bit e: key[e] is selected
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
       const unsigned kk = key[e];
       bool sel = false;
       if (kk != 0u) {
@@ -314,6 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     }
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
       if (selected & (1u << e)) {
         const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
         out_row[offset++] = out_value(c - start, req, p);
@@ -322,6 +320,62 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     // No CTA may clear its histogram (next row) or exit while a peer may still read its shared memory; the
     // block barrier keeps warp_sum from being overwritten by the next row's scan before every warp read it.
     if (csize > 1) cluster_wait(); else __syncthreads();
+  }
+}
+
+// The select of a row whose window one CTA holds (span = end - (start & ~3) <= 32 * 512 columns), by this CTA
+// alone, with the fewest keys per thread that hold it (KPT_MAX bounds them: the caller's register budget).
+template <int KPT_MAX>
+__device__ __forceinline__ void registers_select_row_solo(const Params& p, const float* x_row, int start, int end,
+                                                          int req, int* out_row, cg::cluster_group& cluster,
+                                                          Shared& s) {
+  const int span = end - (start & ~3);
+  if (KPT_MAX >= 8 && span <= 8 * kThreads) {
+    registers_select_row<8>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+  } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8)>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+  } else {
+    registers_select_row<KPT_MAX>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+  }
+}
+
+// Rows are routed by their own window, not by the launch's width (engines pass logits padded to max_model_len, so
+// the width says nothing of the rows): a row whose window one CTA holds is a "solo" row, taken by one CTA of the
+// cluster alone (the cluster's solo rows go to its ranks in turn, so a cluster runs up to csize of them side by
+// side); a longer row is held by the whole cluster. Every CTA reads the same ends and starts, so all agree on
+// each row's route without communicating. The launch may give a cluster several rows (grid_rows < rows).
+template <int KPT>
+__global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
+  constexpr int kChunk = KPT * kThreads;
+  __shared__ __align__(16) Shared s;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int csize = (int)cluster.num_blocks();
+  const int t = threadIdx.x;
+  int solo_turn = 0;  // solo rows this cluster has met so far: the next one goes to rank solo_turn % csize
+
+  for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    const int end = p.ends[row];
+    const int start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = end - start;
+
+    if (width <= p.k) {  // every visible column, then -1 (uniform over the cluster: no cluster barrier here)
+      const int per = (p.k + csize - 1) / csize;
+      const int lo = rank * per, hi = min(p.k, lo + per);
+      for (int j = lo + t; j < hi; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;
+    }
+    const float* x_row = p.x + (long long)row * p.x_stride;
+    const bool solo = csize > 1 && end - (start & ~3) <= kChunk;
+    if (solo) {
+      const bool mine = solo_turn % csize == rank;
+      ++solo_turn;
+      if (!mine) continue;
+    }
+    // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
+    registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
   }
 }
 
@@ -338,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
 // 4. the selected columns set bits of a shared bitmap (atomicOr: order-free), and a block scan over the bitmap
 //    writes them in ascending column order, so the output is bitwise repeatable whatever the atomics' order.
 constexpr int kStreamCandCap = 6144;
+constexpr int kSoloMaxSpan = 32 * kThreads;  // rows one register-kernel CTA holds are selected that way
 constexpr int kStreamMaxCols = 1 << 18;  // bitmap of 8K words; below 2^kColBits for the column tie-break
 constexpr int kStreamSampleVecs = 4;     // float4s per thread in the sample
 constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
@@ -411,6 +466,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       continue;
     }
     const float* x_row = p.x + (long long)row * p.x_stride;
+    if (end - (start & ~3) <= kSoloMaxSpan) {  // a short row (a padded launch's width is no guide): in registers
+      registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
+      continue;
+    }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
