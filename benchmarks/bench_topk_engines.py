@@ -130,14 +130,14 @@ def ours(cuda_topk, args, logits, ends, k, width, sms):
     if not args.plans:
         return impls
 
-    def unpacked():
-        cuda_topk.PACK_ROWS = False
+    def packed():
+        saved, cuda_topk.PACK_ROWS = cuda_topk.PACK_ROWS, not cuda_topk.PACK_ROWS
         try:
             return cuda_topk.topk_indices(logits, k, ends)
         finally:
-            cuda_topk.PACK_ROWS = True
+            cuda_topk.PACK_ROWS = saved
 
-    impls["cuda.radix unpacked grid"] = unpacked
+    impls["cuda.radix packed grid" if not cuda_topk.PACK_ROWS else "cuda.radix unpacked grid"] = packed
     planned = cuda_topk.plan_for(logits.shape[0], width, sms, 4)
     reg = cuda_topk.register_plan(logits.shape[0], width, sms)
     if reg is not None and (planned is None or planned.kernel != "registers"):

@@ -136,18 +136,19 @@ def register_plan(rows: int, cols: int, sms: int) -> tuple[int, int] | None:
 
 
 def registers_grid_rows(rows: int, cluster: int, sms: int) -> int:
-    """Clusters the register kernel launches for ``rows`` rows: one per row while they fit one wave (two CTAs per
-    SM), else one wave of clusters, each looping over its rows. The kernel routes each row by its own window: a
-    row that one CTA holds runs on one CTA of its cluster alone, the cluster's next such row on the next CTA. So
-    when the launch's width is a padding bound (engines pad decode logits to max_model_len) and the rows are
-    short, a wave of clusters runs up to ``cluster`` rows each side by side instead of idling all but one CTA per
-    cluster; long rows take the cluster's turns one after another, as later waves would have."""
+    """Clusters the register kernel launches for ``rows`` rows: one per row (PACK_ROWS False, the default), or
+    (PACK_ROWS True) at most one wave of clusters, each looping over its rows. The kernel routes each row by its
+    own window: a row that one CTA holds runs on one CTA of its cluster alone, the cluster's next such row on the
+    next CTA, so a packed wave runs up to ``cluster`` short rows per cluster side by side. Measured on the H200
+    (benchmarks/results/topk_routing_h200.json) packing lost where long rows meet in one cluster (64 x 128K:
+    68.1 vs 59.0 us; 32 mixed rows in a 163840 width: 39.1 vs 30.7) and gained under 0.5 us on short padded rows,
+    so it is off; the GPU tests run both grids."""
     if not PACK_ROWS or cluster == 1:
         return min(rows, MAX_GRID_ROWS)
     return min(rows, MAX_GRID_ROWS, max(1, (REGISTERS_CTAS_PER_SM * sms) // cluster))
 
 
-PACK_ROWS = True  # benchmarks compare the unpacked grid (one cluster per row) with this switch
+PACK_ROWS = False  # see registers_grid_rows; benchmarks and tests flip it to compare the two grids
 
 
 @functools.lru_cache(maxsize=4096)
