@@ -1,4 +1,5 @@
-"""Issue 34 (round 2), items 4 and 10: config fields are refused by name when the config is built.
+"""Issue 34 (round 2), items 4, 8, 9, 10, 12, 13: config fields, construction and sizes are refused by name before
+anything is allocated.
 
 Errors are matched by the argument or field they must name (as a whole word), as in test_bad_input.py.
 """
@@ -6,13 +7,17 @@ Errors are matched by the argument or field they must name (as a whole word), as
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
 import torch
 
-from dsa_indexer import IndexerConfig, IndexerInputError, IndexKCache, Indexer, PrefillBatch
-from dsa_indexer.rope import YarnScaling
+from dsa_indexer import (CompressorState, DecodeBatch, IndexerConfig, IndexerInputError, IndexKCache, Indexer,
+                         PrefillBatch, ops)
+from dsa_indexer.contract.cache import MAX_PAGES, PAGE_BYTES
+from dsa_indexer.indexer import CHECKPOINT_PREFIX
+from dsa_indexer.rope import YarnScaling, cos_sin_table
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -35,6 +40,13 @@ def refused(call, *candidates: str, errors=ERRORS) -> str:
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def host_ram() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 # --- item 4: string-valued fields take their listed values only --------------------------------------------------
@@ -83,6 +95,63 @@ def test_every_listed_k_norm_builds_and_runs(k_norm):
     out = indexer(torch.randn(40, 256, generator=g).to(BF16), torch.randn(40, 256, generator=g).to(BF16),
                   batch.positions, batch, IndexKCache.allocate(1))
     assert out.shape == (40, TINY.topk)
+
+
+# --- item 8: the activation dtype is the indexer's -----------------------------------------------------------------
+def _decode_step(indexer: Indexer, dtype: torch.dtype, seed: int = 3):
+    cfg = indexer.config
+    batch = DecodeBatch.build([5, 70], [[0, -1], [1, 2]], num_cache_pages=4)
+    g = gen(seed)
+    x = torch.randn(2, cfg.hidden_size, generator=g).to(dtype)
+    q_lora = torch.randn(2, cfg.q_lora_rank, generator=g).to(dtype)
+    cache = IndexKCache.allocate(4)
+    cache.data.copy_(torch.randint(0, 256, cache.data.shape, generator=g, dtype=torch.uint8))
+    return x, q_lora, batch, cache
+
+
+def test_float16_activations_into_a_bfloat16_indexer_are_refused_naming_x():
+    """Before: check_inputs let them through and torch's GEMM failed with 'Half != BFloat16'."""
+    indexer = Indexer(TINY).init_random(0)
+    x, q_lora, batch, cache = _decode_step(indexer, torch.float16)
+    before = cache.data.clone()
+    message = refused(lambda: indexer(x, q_lora, batch.positions, batch, cache), "x")
+    assert "bfloat16" in message and "float16" in message
+    refused(lambda: indexer.store_keys(x, batch, cache), "x")
+    assert torch.equal(cache.data, before), "a refused call wrote into the cache"
+
+
+def test_a_float16_indexer_takes_float16_activations():
+    indexer = Indexer(TINY, dtype=torch.float16).init_random(0)
+    x, q_lora, batch, cache = _decode_step(indexer, torch.float16)
+    assert indexer(x, q_lora, batch.positions, batch, cache).shape == (2, TINY.topk)
+    refused(lambda: indexer(x.to(BF16), q_lora.to(BF16), batch.positions, batch, cache), "x")
+
+
+# --- item 9: a device this torch cannot use ------------------------------------------------------------------------
+def test_a_cuda_device_on_a_torch_without_cuda_is_refused_like_the_cli_does(monkeypatch):
+    """Before: torch's AssertionError 'Torch not compiled with CUDA enabled' from inside a Linear."""
+    from dsa_indexer.runner import _device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = refused(lambda: Indexer(TINY, device="cuda"), "device")
+    assert "sees no CUDA/ROCm GPU" in message
+    with pytest.raises(ValueError) as cli:
+        _device("cuda")
+    assert message.split(": ", 1)[1].split(";")[0] in str(cli.value)  # one reason, the CLI's words
+    refused(lambda: IndexKCache.allocate(4, device="cuda"), "device")
+    refused(lambda: CompressorState.allocate(2, IndexerConfig.deepseek_v4_flash(), device="cuda:0"), "device")
+
+
+def test_a_gpu_index_past_the_visible_ones_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    message = refused(lambda: Indexer(TINY, device="cuda:3"), "device")
+    assert "cuda:0 to cuda:0" in message
+
+
+def test_a_device_name_torch_does_not_know_is_refused_naming_device():
+    refused(lambda: Indexer(TINY, device="gpu0"), "device")
+    refused(lambda: Indexer(TINY, device=["cpu"]), "device")
 
 
 # --- item 10: RoPE and YaRN numbers -----------------------------------------------------------------------------------
@@ -148,3 +217,175 @@ def test_a_config_json_with_bad_rope_numbers_is_refused_naming_them(changes, exp
     refused(lambda: IndexerConfig.from_hf_config(path), *expected, errors=(ValueError, TypeError))
 
 
+# --- item 12: sizes that cannot fit ---------------------------------------------------------------------------------
+def test_a_cache_past_the_int32_slot_limit_is_refused_before_allocating():
+    """Before: torch's allocator message (2**40 pages) or, on meta, a cache whose slots overflow int32."""
+    for pages in (2**40, MAX_PAGES + 1):
+        message = refused(lambda: IndexKCache.allocate(pages, device="meta"), "num_pages")
+        assert "int32" in message and str(MAX_PAGES) in message
+    assert IndexKCache.allocate(MAX_PAGES, device="meta").num_pages == MAX_PAGES  # the last page that fits
+
+
+def test_a_cache_larger_than_host_memory_is_refused_with_the_size():
+    ram = host_ram()
+    if ram is None:
+        pytest.skip("no os.sysconf physical memory on this platform")
+    pages = ram // PAGE_BYTES + 1  # one page more than the host's RAM holds (well below MAX_PAGES)
+    message = refused(lambda: IndexKCache.allocate(pages), "num_pages")
+    assert str(pages * PAGE_BYTES) in message and "RAM" in message and re.search(r"\d+\.\d [KMGTP]iB", message)
+
+
+def test_a_compressor_state_larger_than_host_memory_is_refused_with_the_size():
+    if host_ram() is None or host_ram() > 16384 * 10**9:
+        pytest.skip("needs a host with less than 16 TB of RAM")
+    message = refused(lambda: CompressorState.allocate(10**9, IndexerConfig.deepseek_v4_flash()), "num_slots")
+    assert str((10**9 + 1) * 16384) in message and "TiB" in message
+
+
+def test_weights_that_cannot_fit_are_refused_before_allocating():
+    cfg = dataclasses.replace(TINY, hidden_size=2**40)  # weights_proj alone: 4 heads x 2**40 x 2 bytes = 8 TiB
+    message = refused(lambda: Indexer(cfg), "hidden_size")
+    assert "TiB" in message
+    cfg = dataclasses.replace(TINY, max_position=2**40)  # the RoPE table: 2**40 x 64 fp32, built at the first step
+    refused(lambda: Indexer(cfg), "max_position")
+
+
+def test_a_topk_past_int32_is_refused():
+    refused(lambda: IndexerConfig(**{**TINY_FIELDS, "topk": 2**40}), "IndexerConfig.topk")
+    logits = torch.randn(3, 100, generator=gen(4))
+    ends = torch.tensor([100, 10, 64], dtype=torch.int32)
+    refused(lambda: ops.topk_indices(logits, 2**40, ends), "k")
+    refused(lambda: ops.topk_indices(logits, 2**31, ends), "k")
+
+
+def test_run_with_a_context_that_cannot_fit_is_refused_up_front(capsys):
+    """Before: minutes of allocation, then torch's 'DefaultCPUAllocator: can't allocate memory'."""
+    from dsa_indexer.cli import main
+
+    context = 10_000_000
+    ram = host_ram()
+    if ram is None or (torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 400 << 30) \
+            or ram > context * 7168 * 6:
+        pytest.skip("this machine could hold a 10M-token V3.2 context")
+    assert main(["run", "--context", str(context)]) == 2
+    err = capsys.readouterr().err
+    assert "--context 10000000" in err and re.search(r"needs \d+\.\d [GT]iB", err) and "smaller --context" in err
+
+
+# --- item 13: construction arguments ---------------------------------------------------------------------------------
+def _checkpoint(layer: int = 3) -> tuple[dict, str]:
+    prefix = CHECKPOINT_PREFIX.format(layer=layer)
+    g = gen(5)
+    state = {prefix + "wq_b.weight": torch.randn(512, 256, generator=g).to(FP8),
+             prefix + "wq_b.weight_scale_inv": torch.rand(4, 2, generator=g) + 0.5,
+             prefix + "wk.weight": torch.randn(128, 256, generator=g).to(BF16),
+             prefix + "k_norm.weight": torch.randn(128, generator=g).to(BF16),
+             prefix + "k_norm.bias": torch.randn(128, generator=g).to(BF16),
+             prefix + "weights_proj.weight": torch.randn(4, 256, generator=g).to(BF16)}
+    return state, prefix
+
+
+def test_the_checkpoint_fixture_loads():
+    state, prefix = _checkpoint()
+    assert Indexer(TINY).load_checkpoint(state, prefix).wq_b_is_block_fp8
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda: Indexer(dict(TINY_FIELDS)), "config"),
+    (lambda: Indexer(TINY).init_random("abc"), "seed"),
+    (lambda: Indexer(TINY).init_random(1.5), "seed"),
+    (lambda: Indexer(TINY).init_random(True), "seed"),
+    (lambda: Indexer(TINY, dtype=torch.int8), "dtype"),
+    (lambda: Indexer(TINY, dtype=torch.float32), "dtype"),
+    (lambda: Indexer(TINY, dtype="bf16"), "dtype"),
+    (lambda: Indexer(TINY, logits_budget_bytes=-1), "logits_budget_bytes"),
+    (lambda: Indexer(TINY, logits_budget_bytes=2.5e9), "logits_budget_bytes"),
+    (lambda: Indexer(TINY, wq_b_fp8="yes"), "wq_b_fp8"),
+], ids=["config-dict", "seed-str", "seed-float", "seed-bool", "dtype-int8", "dtype-float32", "dtype-str",
+        "budget-negative", "budget-float", "wq_b_fp8-str"])
+def test_construction_arguments_are_checked(call, expected):
+    """Before: AttributeError, torch's manual_seed / requires_grad errors, or (float32, a negative budget) an indexer
+    that refused every forward."""
+    message = refused(call, expected)
+    if expected == "dtype":
+        assert "bfloat16" in message and "float16" in message
+
+
+def test_a_budget_set_later_is_checked_too():
+    indexer = Indexer(TINY)
+    with pytest.raises(ERRORS, match="logits_budget_bytes"):
+        indexer.logits_budget_bytes = -1
+    indexer.logits_budget_bytes = 0  # allowed: one row per chunk
+    assert indexer.logits_budget_bytes == 0
+
+
+@pytest.mark.parametrize("change", ["meta", "str", "none"])
+def test_load_checkpoint_refuses_values_that_are_not_real_tensors(change):
+    """Before: 'Tensor.item() cannot be called on meta tensors' / AttributeError: 'str' object has no 'dtype'."""
+    state, prefix = _checkpoint()
+    key = prefix + "wk.weight"
+    state[key] = {"meta": lambda: state[key].to("meta"), "str": lambda: "wk.bin", "none": lambda: None}[change]()
+    refused(lambda: Indexer(TINY).load_checkpoint(state, prefix), key)
+
+
+def test_load_checkpoint_refuses_a_state_that_is_not_a_mapping():
+    state, prefix = _checkpoint()
+    refused(lambda: Indexer(TINY).load_checkpoint(list(state.items()), prefix), "state")
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5])
+def test_block_scales_that_are_not_positive_are_refused_naming_the_key(value):
+    """Before: a 0 scale zeroed a block of wq_b, a negative one flipped it, and the indexer scored with it."""
+    state, prefix = _checkpoint()
+    state[prefix + "wq_b.weight_scale_inv"][1, 0] = value
+    message = refused(lambda: Indexer(TINY).load_checkpoint(state, prefix), prefix + "wq_b.weight_scale_inv")
+    assert "> 0" in message
+
+
+@pytest.mark.parametrize("layer", ["3", 3.0, -1, True])
+def test_from_safetensors_refuses_a_layer_that_is_not_a_layer_number(tmp_path, layer):
+    from safetensors.torch import save_file
+
+    state, _ = _checkpoint(3)
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    assert Indexer.from_safetensors(path, 3, TINY).wq_b_is_block_fp8
+    refused(lambda: Indexer.from_safetensors(path, layer, TINY), "layer")
+
+
+def _q_prologue_args():
+    g = gen(6)
+    return dict(q=torch.randn(3, 4, 128, generator=g).to(BF16), positions=torch.tensor([0, 5, 9]),
+                cos_sin=cos_sin_table(64, 16), head_weights=torch.randn(3, 4, generator=g).to(BF16),
+                weight_scale=0.01)
+
+
+@pytest.mark.parametrize("op, argument, value", [
+    ("q_prologue", "interleaved", "yes"), ("q_prologue", "ue8m0", "no"), ("q_prologue", "interleaved", 1),
+    ("q_prologue", "rope_offset", 1.5), ("q_prologue_fp4", "interleaved", "yes"),
+    ("q_prologue_plain", "interleaved", "yes"), ("quant_fp8_groups", "ue8m0", "false"),
+    ("k_prologue_store", "interleaved", "yes"), ("k_prologue_store", "ue8m0", "no"),
+])
+def test_op_switches_take_bools(op, argument, value):
+    """Before: "yes" / "no" are truthy: the switch turned on silently."""
+    a = _q_prologue_args()
+    if op == "q_prologue":
+        def call():
+            return ops.q_prologue(**a, **{argument: value})
+    elif op == "q_prologue_fp4":
+        def call():
+            return ops.q_prologue_fp4(**a, **{argument: value})
+    elif op == "q_prologue_plain":
+        def call():
+            return ops.q_prologue_plain(**a, key_format="bf16", **{argument: value})
+    elif op == "quant_fp8_groups":
+        def call():
+            return ops.quant_fp8_groups(a["q"].reshape(12, 128), **{argument: value})
+    else:
+        cache = IndexKCache.allocate(1)
+
+        def call():
+            return ops.k_prologue_store(a["q"][:, 0], torch.ones(128, dtype=BF16), torch.zeros(128, dtype=BF16), 1e-6,
+                                        a["positions"], a["cos_sin"], cache.data, torch.tensor([0, 1, 2]),
+                                        **{argument: value})
+    refused(call, argument)
