@@ -1,5 +1,6 @@
 """Issue 34 (round 2), items 4, 8, 9, 10, 12, 13: config fields, construction and sizes are refused by name before
-anything is allocated.
+anything is allocated; and a property test over random `IndexerConfig` values: each is refused naming a field, or
+an indexer built from it computes the top-k of an independent float64 oracle (`config_oracle`).
 
 Errors are matched by the argument or field they must name (as a whole word), as in test_bad_input.py.
 """
@@ -8,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
 
 import pytest
 import torch
 
+import config_oracle
 from dsa_indexer import (CompressorState, DecodeBatch, IndexerConfig, IndexerInputError, IndexKCache, Indexer,
                          PrefillBatch, ops)
 from dsa_indexer.contract.cache import MAX_PAGES, PAGE_BYTES
@@ -389,3 +392,154 @@ def test_op_switches_take_bools(op, argument, value):
                                         a["positions"], a["cos_sin"], cache.data, torch.tensor([0, 1, 2]),
                                         **{argument: value})
     refused(call, argument)
+
+
+# --- the property: every config is refused by name, or equals the float64 oracle -----------------------------------
+# Each field: values that must be accepted, values that must be refused naming the field.
+VALID = {
+    "hidden_size": [128, 256, 384], "q_lora_rank": [128, 256, 512], "n_heads": [1, 3, 4, 8],
+    "rope_dim": [2, 32, 64, 96, 128], "topk": [1, 7, 16, 40], "rope_position": ["first", "last"],
+    "rope_interleaved": [True, False], "rope_theta": [10000.0, 160000.0, 1.5, 50],
+    "yarn": [None, YarnScaling(factor=4.0, original_max_position=128), YarnScaling(),
+             YarnScaling(factor=16.0, original_max_position=0)],
+    "max_position": [256, 512, 4096], "ue8m0": [True, False], "k_norm": ["layernorm", "rmsnorm", "none"],
+    "norm_eps": [1e-6, 1e-3, 0.5], "scale_fmt": ["fp32", "ue8m0"], "wk_gemm": ["bf16", "fp8"],
+    "weights_proj_dtype": ["bf16", "fp32"], "fp4_block": [16, 32, 64, 128], "name": ["other"],
+    "checkpoint_prefix": ["blk.{layer}.idx."],
+}
+INVALID = {
+    "name": [3, None], "hidden_size": [0, -128, 200, 256.0, True, "256"], "q_lora_rank": [0, 64, 384.5],
+    "n_heads": [0, -4, 4.0, False], "head_dim": [64, 256, 0], "rope_dim": [0, 63, 130, 256, 64.0],
+    "topk": [0, -16, 2**40, 16.0], "rope_position": ["First", "middle", "", None, 0],
+    "rope_interleaved": ["yes", 1, None],
+    "rope_theta": [0.0, -10000.0, 1.0, 0.5, float("nan"), float("inf"), "10000", True],
+    "yarn": [YarnScaling(factor=0.0), YarnScaling(factor=-4.0), YarnScaling(factor=float("nan")),
+             YarnScaling(beta_fast=0.0), YarnScaling(beta_slow=-1.0), YarnScaling(original_max_position=4096.0),
+             {"factor": 4.0}],
+    "max_position": [0, -1, 512.0], "ue8m0": ["no", 0, None],
+    "k_norm": ["LayerNorm", "layer_norm", "RMSNorm", "batchnorm", "", None],
+    "norm_eps": [0.0, -1e-6, float("nan"), "1e-6", None], "compress_ratio": [2, 0, True, 4.0],
+    "fp8_block": [64, 0, 256], "checkpoint_prefix": [3, "layers.{lyr}.indexer.", "layers.{}.indexer."],
+    "scale_fmt": ["UE8M0", "e8m0", None], "wk_gemm": ["FP8", "int8"], "weights_proj_dtype": ["float32", "fp16"],
+    "key_quant": ["FP8", "fp4", "fp8_ue8m0"], "fp4_block": [48, 0, True],
+}
+
+
+def _sample(rng: random.Random, invalid_field: str | None) -> tuple[dict, bool, set[str]]:
+    """(fields, wq_b_fp8, fields any of which a refusal may name; empty: the config is valid): random valid values,
+    ``invalid_field`` (if any) set to one of its invalid values."""
+    fields = dict(name="prop", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=512, yarn=None)
+    for field, values in VALID.items():
+        if rng.random() < 0.4:
+            fields[field] = rng.choice(values)
+    if rng.random() < 0.3:  # a C4 indexer: its keys come from the compressor (no wk, no key norm)
+        fields.update(compress_ratio=4, topk=rng.choice([1, 4, 7]))
+        if rng.random() < 0.8:
+            fields.update(k_norm="none", wk_gemm="bf16")
+    elif rng.random() < 0.1:
+        fields["key_quant"] = "fp4_e2m1"  # V4's FP4 recipe on a V3.2 indexer: refused
+    wrong: set[str] = set()
+    if invalid_field is not None:
+        fields[invalid_field] = rng.choice(INVALID[invalid_field])
+        wrong.add(invalid_field)
+    ratio = fields.get("compress_ratio", 1)
+    if ratio == 4 and fields.get("k_norm", "layernorm") != "none":
+        wrong |= {"k_norm", "compress_ratio"}
+    if ratio == 4 and fields.get("wk_gemm") == "fp8":
+        wrong |= {"wk_gemm", "compress_ratio"}
+    if fields.get("key_quant") == "fp4_e2m1" and ratio != 4:
+        wrong |= {"key_quant", "compress_ratio"}
+    return fields, rng.random() < 0.5, wrong
+
+
+_RNG = random.Random(34)
+# Every other sample gets one invalid field, each field of INVALID once; the valid ones vary the rest at random.
+SAMPLES = [_sample(_RNG, invalid) for field in sorted(INVALID) for invalid in (None, field)]
+# The oracle's float64 arithmetic (the library's is fp32) may round one bf16 or fp8 element to the neighbouring value
+# now and then; one fp8 step of one element moves a logit by about 2**-3 of one q.k term, under 2**-6 of the row's
+# largest logit. A top-k is accepted when nothing it left out beats what it took by more than that (measured over
+# these samples: 0, every set equal). Deliberate errors miss by far more (test below: 0.05 to 1.9 of the row's
+# largest logit).
+TOLERANCE = 2.0 ** -6
+LENGTHS = (97, 66)  # two requests: a one-pass prefill of all but their last token, then one decode step
+
+
+def _run(cfg: IndexerConfig, wq_b_fp8: bool, seed: int):
+    indexer = Indexer(cfg, wq_b_fp8=wq_b_fp8).init_random(seed)
+    g = gen(seed + 1)
+    xs = [torch.randn(n, cfg.hidden_size, generator=g).to(BF16) for n in LENGTHS]
+    qs = [torch.randn(n, cfg.q_lora_rank, generator=g).to(BF16) for n in LENGTHS]
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)  # shuffled pages: a kernel ignoring them fails
+    cache = IndexKCache.allocate(4)
+    c4 = cfg.compress_ratio == 4
+    state = CompressorState.allocate(2, cfg) if c4 else None
+    extra = dict(compress_ratio=4, state_slots=[0, 1]) if c4 else {}
+    pb = PrefillBatch.build([0, 0], [n - 1 for n in LENGTHS], table, num_cache_pages=4, **extra)
+    prefill = indexer(torch.cat([x[:-1] for x in xs]), torch.cat([q[:-1] for q in qs]), pb.positions, pb, cache,
+                      compressor_state=state)
+    db = DecodeBatch.build(list(LENGTHS), table, num_cache_pages=4, **extra)
+    decode = indexer(torch.stack([x[-1] for x in xs]), torch.stack([q[-1] for q in qs]), db.positions, db, cache,
+                     compressor_state=state)
+    rows, start = [], 0
+    for n, last in zip(LENGTHS, decode.tolist()):
+        rows.append(prefill[start:start + n - 1].tolist() + [last])
+        start += n - 1
+    return indexer, xs, qs, rows
+
+
+def _worst_slack(indexer: Indexer, cfg: IndexerConfig, xs, qs, rows) -> float:
+    """The largest relative top-k slack of any row against the oracle run with ``cfg``."""
+    saved = indexer.config
+    indexer.config = cfg  # the oracle reads the recipe from the config, the weights from the indexer
+    try:
+        worst = 0.0
+        for x, q, request_rows in zip(xs, qs, rows):
+            logits = config_oracle.request_logits(indexer, x, q)
+            for position, row in enumerate(request_rows):
+                visible = config_oracle.visible_keys(cfg, position)
+                slack = config_oracle.topk_slack(row, logits[position], visible, cfg.topk)
+                scale = float(logits[position, :visible].abs().max()) if visible else 0.0
+                worst = max(worst, slack / scale if scale > 0 else slack)
+        return worst
+    finally:
+        indexer.config = saved
+
+
+def _id(sample) -> str:
+    fields, wq_b_fp8, wrong = sample
+    return ("refused-" + "-".join(sorted(wrong))) if wrong else f"valid-c{fields.get('compress_ratio', 1)}"
+
+
+@pytest.mark.parametrize("index", range(len(SAMPLES)), ids=[f"{i}-{_id(s)}" for i, s in enumerate(SAMPLES)])
+def test_a_random_config_is_refused_by_name_or_equals_the_float64_oracle(index):
+    fields, wq_b_fp8, wrong = SAMPLES[index]
+    if wrong:
+        with pytest.raises((ValueError, TypeError)) as info:
+            IndexerConfig(**fields)
+        assert names(str(info.value), *wrong, *(f"IndexerConfig.{f}" for f in wrong)), (
+            f"refusal names none of {sorted(wrong)}: {info.value}")
+        return
+    cfg = IndexerConfig(**fields)
+    indexer, xs, qs, rows = _run(cfg, wq_b_fp8, seed=index)
+    worst = _worst_slack(indexer, cfg, xs, qs, rows)
+    assert worst <= TOLERANCE, f"a top-k set differs from the oracle's by {worst:.3g} of the row's largest logit"
+
+
+def test_the_samples_cover_both_outcomes_and_both_indexer_kinds():
+    valid = [s for s in SAMPLES if not s[2]]
+    assert len(valid) >= 12 and len(SAMPLES) - len(valid) >= 12
+    assert {s[0].get("compress_ratio", 1) for s in valid} == {1, 4}
+    assert {f for s in SAMPLES for f in s[2]} >= set(INVALID)
+
+
+@pytest.mark.parametrize("mutation", [dict(k_norm="none"), dict(rope_theta=15000.0), dict(rope_interleaved=True),
+                                      dict(rope_position="last"), dict(ue8m0=False)],
+                         ids=["k_norm", "rope_theta", "rope_interleaved", "rope_position", "ue8m0"])
+def test_the_oracle_comparison_fails_on_a_result_computed_under_another_config(mutation):
+    """The check can fail: the library's top-k under the tiny config, compared with the oracle of a config that
+    differs in one field (k_norm "none" is what an unknown k_norm used to compute)."""
+    cfg = IndexerConfig(name="prop", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=512,
+                        yarn=None)
+    indexer, xs, qs, rows = _run(cfg, True, seed=7)
+    assert _worst_slack(indexer, cfg, xs, qs, rows) <= TOLERANCE
+    assert _worst_slack(indexer, dataclasses.replace(cfg, **mutation), xs, qs, rows) > 2 * TOLERANCE
