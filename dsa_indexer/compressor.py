@@ -32,7 +32,7 @@ from torch import nn
 from . import ops
 from .config import IndexerConfig
 from .contract.cache import IndexKCache
-from .contract.validate import IndexerInputError
+from .contract.validate import IndexerInputError, device_argument, fits_in_memory, human_bytes
 
 RATIO = 4
 WINDOW = 2 * RATIO  # entry j pools tokens [4j - 4, 4j + 4)
@@ -62,8 +62,14 @@ class CompressorState:
                  ) -> "CompressorState":
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")
+        if not isinstance(config, IndexerConfig):
+            raise IndexerInputError(f"config must be an IndexerConfig, got {type(config).__name__}")
         if config.compress_ratio != RATIO:
             raise ValueError(f"CompressorState is for compress_ratio 4 (C4) configs, got {config.compress_ratio}")
+        device = device_argument("device", device)
+        slot_bytes = WINDOW * 4 * config.head_dim * 4
+        fits_in_memory(f"CompressorState.allocate(num_slots={num_slots}) at {human_bytes(slot_bytes)} a slot",
+                       (num_slots + 1) * slot_bytes, device, "allocate one slot per request that runs at once")
         return cls(torch.zeros(num_slots + 1, WINDOW, 4 * config.head_dim, dtype=torch.float32, device=device))
 
     @property

@@ -32,6 +32,9 @@ SCALE_FMTS = ("fp32", "ue8m0")
 WK_GEMMS = ("bf16", "fp8")
 WEIGHTS_PROJ_DTYPES = ("bf16", "fp32")
 KEY_QUANTS = ("fp8", "fp4_e2m1")
+ROPE_POSITIONS = ("first", "last")
+K_NORMS = ("layernorm", "rmsnorm", "none")  # what the key prologues apply (ops.NORMS)
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -63,32 +66,63 @@ class IndexerConfig:
     fp4_block: int = 32
 
     def __post_init__(self) -> None:
+        """Every field checked where it is set: a misspelled or impossible value would otherwise be read later by code
+        that silently takes a default for it (an unknown ``k_norm`` applied no norm) or fails inside a kernel."""
+        if not isinstance(self.name, str):
+            raise ValueError(f"IndexerConfig.name must be a str, got {self.name!r}")
         for name in ("hidden_size", "q_lora_rank", "n_heads", "head_dim", "rope_dim", "topk", "max_position",
                      "fp8_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"IndexerConfig.{name} must be a positive int, got {value!r}")
-        if not self.norm_eps > 0:
-            raise ValueError(f"IndexerConfig.norm_eps must be > 0, got {self.norm_eps!r}")
-        if self.rope_position not in ("first", "last"):
-            raise ValueError(f"rope_position must be 'first' or 'last', got {self.rope_position!r}")
+        if self.topk > INT32_MAX:
+            raise ValueError(f"IndexerConfig.topk={self.topk} is past the int32 limit {INT32_MAX}: the top-k indices "
+                             "are int32")
+        _check_choice("rope_position", self.rope_position, ROPE_POSITIONS)
+        _check_choice("k_norm", self.k_norm, K_NORMS)
+        for name in ("rope_interleaved", "ue8m0"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"IndexerConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if not _positive_finite(self.norm_eps):
+            raise ValueError(f"IndexerConfig.norm_eps must be a finite number > 0, got {self.norm_eps!r}")
         if self.head_dim != 128:
             raise ValueError(f"head_dim must be 128 (the index-K cache layout), got {self.head_dim}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(f"IndexerConfig.rope_dim must be even (RoPE turns pairs of dims) and at most head_dim="
+                             f"{self.head_dim}, got {self.rope_dim} (a config.json's qk_rope_head_dim)")
+        if not (_positive_finite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"IndexerConfig.rope_theta must be a finite number > 1 (the RoPE base: each pair's "
+                             f"frequency theta ** (-2i / rope_dim) falls with i; DeepSeek uses 10000, V4's compressed "
+                             f"keys 160000), got {self.rope_theta!r}")
+        _check_yarn(self.yarn)
+        if self.fp8_block != 128:
+            raise ValueError(f"IndexerConfig.fp8_block must be 128 (the block of every block-fp8 weight and GEMM "
+                             f"input here), got {self.fp8_block}")
         if self.q_lora_rank % self.fp8_block or self.hidden_size % self.fp8_block:
             raise ValueError("q_lora_rank and hidden_size must be multiples of 128 (the fp8 block)")
-        if self.compress_ratio not in (1, 4):
-            raise ValueError(f"compress_ratio must be 1 or 4, got {self.compress_ratio}")
+        if isinstance(self.compress_ratio, bool) or not isinstance(self.compress_ratio, int) or \
+                self.compress_ratio not in (1, 4):
+            raise ValueError(f"compress_ratio must be 1 or 4, got {self.compress_ratio!r}")
+        if not isinstance(self.checkpoint_prefix, str):
+            raise ValueError(f"IndexerConfig.checkpoint_prefix must be a str, got {self.checkpoint_prefix!r}")
+        try:
+            self.checkpoint_prefix.format(layer=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"IndexerConfig.checkpoint_prefix {self.checkpoint_prefix!r} must format with {{layer}} "
+                             f"as its only field (e.g. 'model.layers.{{layer}}.self_attn.indexer.'): {exc!r}") from None
         for name, allowed in (("scale_fmt", SCALE_FMTS), ("wk_gemm", WK_GEMMS),
                               ("weights_proj_dtype", WEIGHTS_PROJ_DTYPES), ("key_quant", KEY_QUANTS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"IndexerConfig.{name} must be one of {', '.join(map(repr, allowed))}, got "
-                                 f"{getattr(self, name)!r}")
+            _check_choice(name, getattr(self, name), allowed)
         if isinstance(self.fp4_block, bool) or self.fp4_block not in (16, 32, 64, 128):
             raise ValueError(f"IndexerConfig.fp4_block must be 16, 32, 64 or 128 (a divisor of the head dim), got "
                              f"{self.fp4_block!r}")
         if self.wk_gemm == "fp8" and self.compress_ratio != 1:
             raise ValueError("IndexerConfig.wk_gemm='fp8' is for V3.2's wk; a C4 indexer (compress_ratio 4) has no wk "
                              "(its keys come from the compressor)")
+        if self.k_norm != "none" and self.compress_ratio != 1:
+            raise ValueError(f"IndexerConfig.k_norm={self.k_norm!r}, but a C4 indexer (compress_ratio 4) has no key "
+                             "norm of its own: its compressor RMSNorms every entry. Use k_norm='none' (what "
+                             "IndexerConfig.deepseek_v4_flash() sets)")
         if self.key_quant == "fp4_e2m1" and self.compress_ratio != 4:
             raise ValueError("IndexerConfig.key_quant='fp4_e2m1' is V4's C4 indexer recipe (compress_ratio 4); V3.2's "
                              "indexer quantizes q and k to fp8 (key_quant='fp8')")
@@ -207,6 +241,48 @@ V4_KEY_QUANT = {
 MODELS = {"deepseek-v3.2": IndexerConfig.deepseek_v32, "deepseek-v4-flash": IndexerConfig.deepseek_v4_flash}
 
 
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed or not isinstance(value, str):
+        def folded(text: str) -> str:
+            return text.lower().replace("_", "").replace("-", "")
+
+        close = [a for a in allowed if isinstance(value, str) and folded(a) == folded(value)]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"IndexerConfig.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+
+
+def _positive_finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_yarn(yarn: object) -> None:
+    """YaRN's numbers enter logs and divisions when the RoPE table is built (at the first step): checked here."""
+    if yarn is None:
+        return
+    if not isinstance(yarn, YarnScaling):
+        raise ValueError(f"IndexerConfig.yarn must be a dsa_indexer.rope.YarnScaling or None, got "
+                         f"{type(yarn).__name__}")
+    for name in ("factor", "beta_fast", "beta_slow"):
+        if not _positive_finite(getattr(yarn, name)):
+            raise ValueError(f"IndexerConfig.yarn.{name} must be a finite number > 0, got {getattr(yarn, name)!r}")
+    original = yarn.original_max_position
+    if isinstance(original, bool) or not isinstance(original, int):
+        raise ValueError(f"IndexerConfig.yarn.original_max_position must be an int (<= 0 turns YaRN off), got "
+                         f"{original!r}")
+
+
+def _check_yarn_section(rope: Mapping[str, Any], model_type: str) -> None:
+    """A YaRN rope section's numbers, present and numeric, before they are read (else a bare KeyError)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        value = rope.get(key)
+        if value is None:
+            raise ValueError(f"{model_type} config: the YaRN rope scaling has no {key!r} (DeepSeek-V3.2 declares "
+                             "\"factor\": 40, \"original_max_position_embeddings\": 4096); add it, or drop the YaRN "
+                             "section for plain RoPE")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{model_type} config: the YaRN rope scaling's {key!r} must be a number, got {value!r}")
+
+
 def _read_hf_config(source) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
@@ -251,6 +327,7 @@ def _yarn_of(rope: Mapping[str, Any], allow_missing_mscale: bool, model_type: st
         return None
     if kind != "yarn":
         raise ValueError(f"config rope type {kind!r}: DeepSeek's indexer uses YaRN (or no scaling)")
+    _check_yarn_section(rope, model_type)
     factor = float(rope["factor"])
     yarn = YarnScaling(factor=factor, original_max_position=int(rope["original_max_position_embeddings"]),
                        beta_fast=float(rope.get("beta_fast", 32.0)), beta_slow=float(rope.get("beta_slow", 1.0)))

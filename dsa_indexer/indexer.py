@@ -29,7 +29,8 @@ from .pipeline import STEPS, k_path, k_path_plain
 from .plan import LayerWeights, StepPlan
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
-from .contract.validate import IndexerInputError, ranges_checked as check_values, tensor as check_tensor
+from .contract.validate import (IndexerInputError, boolean as check_bool, device_argument as check_device,
+                                fits_in_memory, ranges_checked as check_values, tensor as check_tensor)
 from .contract.weights import (  # noqa: F401 - the weight formats, re-exported where they were
     E8M0_DTYPES, FLOAT_WEIGHT_DTYPES, FP8_WEIGHT_DTYPES, HF_V4_INDEXER_NAMES, HF_V4_PREFIX, SCALED_WEIGHTS,
     BlockFp8Linear, check_checkpoint_formats, checkpoint_schemes, dtype_name, e8m0_to_float, fn_to_fnuz,
@@ -48,6 +49,40 @@ COMPRESSOR_KEYS = ("wkv.weight", "wgate.weight", "ape", "norm.weight")  # under 
 # and keeps the version counter), with the version it was read at (an in-place write makes it unknown again).
 SCALE_FMT_ATTR = "_dsa_indexer_scale_fmt"
 FP8_GEMM_WEIGHTS = ("wq_b", "wk")
+
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # of x, q_lora and the unquantized weights
+BLOCK_SCALE_KEYS = ("wq_b.weight_scale_inv", "wq_b.scale", "wk.weight_scale_inv")
+
+
+def _check_state(state, prefix) -> None:
+    """What `load_checkpoint` reads must be real tensors: a meta tensor (a model built on the meta device and never
+    materialized) has no values to copy, a str or None value is no tensor at all."""
+    if not isinstance(state, Mapping):
+        raise IndexerInputError(f"state must be a mapping of checkpoint keys to tensors (a state dict), got "
+                                f"{type(state).__name__}")
+    if not isinstance(prefix, str):
+        raise IndexerInputError(f"prefix must be a str, got {prefix!r}")
+    for key, value in state.items():
+        if not isinstance(key, str) or not key.startswith(prefix):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise IndexerInputError(f"checkpoint key {key} holds a {type(value).__name__}, not a torch.Tensor")
+        if value.device.type == "meta":
+            raise IndexerInputError(f"checkpoint key {key} is a meta tensor (no data): load the checkpoint's tensors "
+                                    "themselves (e.g. safetensors' load_file), not a model built on the meta device")
+
+
+def _check_block_scales(local: Mapping[str, torch.Tensor], prefix: str) -> None:
+    """Each block scale multiplies a 128 x 128 block of fp8 codes: one <= 0 zeroes or flips the sign of the block's
+    weights, which loads without complaint and scores garbage. A load-time host read."""
+    for key in BLOCK_SCALE_KEYS:
+        if key in local:
+            values = e8m0_to_float(local[key])
+            if values.numel() and not bool((values > 0).all()):
+                raise IndexerInputError(f"{prefix}{key} holds block scales <= 0 (smallest {float(values.min()):g}): "
+                                        "a block scale multiplies its block of fp8 weights and must be > 0; the "
+                                        "checkpoint is damaged or the key holds another tensor")
 
 
 def _record_after_load(module: "Indexer", incompatible_keys) -> None:
@@ -79,9 +114,21 @@ class Indexer(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, wq_b_fp8: bool = True, target: Target | str | None = None,
                  logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> None:
         super().__init__()
+        if not isinstance(config, IndexerConfig):
+            raise IndexerInputError(f"config must be an IndexerConfig (e.g. IndexerConfig.deepseek_v32(), "
+                                    f"IndexerConfig.from_hf_config(path)), got {type(config).__name__}")
+        if dtype not in ACTIVATION_DTYPES:
+            raise IndexerInputError(f"dtype must be torch.bfloat16 or torch.float16 (the dtype of x, q_lora and the "
+                                    f"unquantized weights; the steps take no other), got {dtype!r}")
+        check_bool("wq_b_fp8", wq_b_fp8)
+        device = check_device("device", device if device is not None else "cpu",
+                              "build the Indexer on a device this torch sees (device='cpu' by default)")
         self.config = config
         self.dtype = dtype
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.logits_budget_bytes = logits_budget_bytes
+        fits_in_memory(f"Indexer({config.name!r}: hidden_size {config.hidden_size}, q_lora_rank {config.q_lora_rank}, "
+                       f"{config.n_heads} heads, topk {config.topk}, max_position {config.max_position}): its weights, "
+                       "RoPE table and one token's step", self._bytes_at_least(dtype, wq_b_fp8), device)
         # The target is resolved once per device (argument, else DSA_INDEXER_TARGET, else the hardware) and passed to
         # every op this indexer calls: resolution never depends on ambient state set by someone else.
         self._target_override = target
@@ -107,7 +154,6 @@ class Indexer(nn.Module):
             self.k_norm = None
         self.compressor: Compressor | None = Compressor(config, device) if config.compress_ratio > 1 else None
         self.requires_grad_(False)  # an inference module: its output is integer indices
-        self.logits_budget_bytes = logits_budget_bytes
         self.reuse_stats: Counter[str] = Counter()
         # Reuse a q_lora_quant quantized before bf16 rounding (aiter's fused kernel; one fp8 ulp may differ)?
         # None: as the target's platform says (AMD: yes, as the seed integration does; NVIDIA: no, bit-identical).
@@ -133,6 +179,34 @@ class Indexer(nn.Module):
         # load_state_dict writes the scales in place: read their format again after it (still load time).
         self.register_load_state_dict_post_hook(_record_after_load)
         self._records_scale_fmts = True  # from here on, assigning a block-fp8 wq_b / wk reads its scales' format
+
+    @property
+    def logits_budget_bytes(self) -> int:
+        """Bytes a prefill chunk's logits and q-path intermediates may hold at once (`PrefillBatch.plan_chunks`)."""
+        return self._logits_budget_bytes
+
+    @logits_budget_bytes.setter
+    def logits_budget_bytes(self, value: int) -> None:
+        # Checked when set: the first long prefill would otherwise be the first to read it.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise IndexerInputError(f"logits_budget_bytes must be an int >= 0 (bytes; 0 scores one row at a time), "
+                                    f"got {value!r}")
+        self._logits_budget_bytes = value
+
+    def _bytes_at_least(self, dtype: torch.dtype, wq_b_fp8: bool) -> int:
+        """A lower bound of what this indexer allocates: its weights, the shared RoPE table (built at the first step)
+        and one token's step; checked against the device before anything is allocated."""
+        cfg = self.config
+        act = torch.empty((), dtype=dtype).element_size()
+        hd = cfg.n_heads * cfg.head_dim
+        blocks = -(-hd // 128) * -(-cfg.q_lora_rank // 128) * 4
+        total = hd * cfg.q_lora_rank * (1 if wq_b_fp8 else act) + (blocks if wq_b_fp8 else 0)
+        total += cfg.n_heads * cfg.hidden_size * act
+        if cfg.compress_ratio == 1:
+            total += cfg.head_dim * cfg.hidden_size * (1 if cfg.wk_gemm == "fp8" else act) + 2 * cfg.head_dim * act
+        else:
+            total += 2 * (2 * cfg.head_dim * cfg.hidden_size * 4)  # the compressor's fp32 wkv and wgate
+        return total + cfg.max_position * cfg.rope_dim * 4 + self.q_path_bytes_per_row()
 
     def __setattr__(self, name: str, value) -> None:
         super().__setattr__(name, value)
@@ -204,6 +278,9 @@ class Indexer(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int = 0) -> "Indexer":
         """Seeded random weights at the checkpoint's scale (for demos, tests and benchmarks)."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise IndexerInputError(f"seed must be an int (a torch.Generator seed, -2**63 <= seed < 2**64), got "
+                                    f"{seed!r}")
         gen = torch.Generator().manual_seed(seed)
         cfg = self.config
 
@@ -249,6 +326,7 @@ class Indexer(nn.Module):
         is dequantized once (the bf16 path). A C4 indexer also loads its compressor
         (``compressor.{wkv.weight, wgate.weight, ape, norm.weight}``). Missing or extra keys and shape mismatches
         raise, naming the key."""
+        _check_state(state, prefix)
         wanted = ["wq_b.weight", "weights_proj.weight"]
         if self.wk is not None:
             wanted += ["wk.weight", "k_norm.weight", "k_norm.bias"]
@@ -265,6 +343,7 @@ class Indexer(nn.Module):
         if "wq_b.weight_scale_inv" in local and "wq_b.scale" in local:
             raise KeyError(f"checkpoint has both {prefix}wq_b.weight_scale_inv and {prefix}wq_b.scale; expected one")
         check_checkpoint_formats(local, prefix)
+        _check_block_scales(local, prefix)
         cfg = self.config
         device = self.weights_proj.weight.device
         wq = local["wq_b.weight"]
@@ -337,6 +416,9 @@ class Indexer(nn.Module):
         with `IndexerConfig.from_hf_config` when present."""
         from safetensors import safe_open
 
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise IndexerInputError(f"layer must be an int >= 0 (the layer number in the checkpoint's keys), got "
+                                    f"{layer!r}")
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
@@ -536,7 +618,7 @@ class Indexer(nn.Module):
         """Every check `forward` makes of its arguments (a public seam: context-parallel prefill makes the same
         ones); returns the token count T."""
         cfg = self.config
-        check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+        self._check_activation(x)
         t = x.shape[0]
         if x.shape[1] != cfg.hidden_size:
             raise IndexerInputError(f"x must be [T, hidden_size={cfg.hidden_size}], got {list(x.shape)}")
@@ -583,6 +665,21 @@ class Indexer(nn.Module):
         if q_lora_quant is not None and not isinstance(q_lora_quant, QuantizedActivation):
             raise IndexerInputError(f"q_lora_quant must be a QuantizedActivation, got {type(q_lora_quant).__name__}")
         return t
+
+    def _check_activation(self, x) -> None:
+        """x in the dtype of the weights its GEMMs multiply it (and q_lora) with directly: torch would refuse a
+        float16 x against bfloat16 weights only inside the step. Those weights are the unquantized linears in an
+        activation dtype (block-fp8 GEMMs and fp32 weights take either; transformers' swapped modules keep theirs)."""
+        check_tensor("x", x, dtype=ACTIVATION_DTYPES, ndim=2)
+        modules = self._modules
+        for name in ("weights_proj", "wk", "wq_b"):
+            layer = modules.get(name)
+            if isinstance(layer, nn.Linear) and layer.weight.dtype in ACTIVATION_DTYPES and \
+                    layer.weight.dtype != x.dtype:
+                want = dtype_name(layer.weight.dtype)
+                raise IndexerInputError(f"x must have dtype {want} (the dtype of this Indexer's {name}; q_lora "
+                                        f"too), got {dtype_name(x.dtype)}: convert the activations, or build "
+                                        f"Indexer(config, dtype=torch.{dtype_name(x.dtype)})")
 
     def _check_positions(self, batch: DecodeBatch | PrefillBatch) -> None:
         """Positions against the RoPE table, from the batch's host metadata (no device read): on a GPU the prologue
@@ -720,7 +817,7 @@ class Indexer(nn.Module):
         """Store the keys of ``batch``'s tokens ``x`` [T, hidden] without scoring any query (what a model does for
         context it only needs to remember, e.g. filling a cache in chunks). V3.2: wk, norm, RoPE, Hadamard, fp8.
         C4: the compressor's step (entries completed by these tokens; the state rolls forward)."""
-        check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
+        self._check_activation(x)
         if x.shape != (batch.num_tokens, self.config.hidden_size):
             raise IndexerInputError(f"x must be [{batch.num_tokens}, {self.config.hidden_size}] (the batch's tokens), "
                                     f"got {list(x.shape)}")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .contract import validate as v
-from .contract.cache import (FP4_BLOCK, FP4_VALUE_BYTES, HEAD_DIM, PAGE_SIZE, check_kv_cache,
+from .contract.cache import (FP4_BLOCK, FP4_VALUE_BYTES, HEAD_DIM, MAX_PAGES, PAGE_SIZE, check_kv_cache,
                              check_paged_cache)
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
@@ -36,7 +36,6 @@ from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
 
 NORMS = ("layernorm", "rmsnorm", "none")
-MAX_PAGES = (2**31 - 1) // PAGE_SIZE  # a page past this has slots beyond int32
 KEY_FORMATS = ("bf16", "int8")  # the plain paged layouts (contract/cache.py: paged64_bf16, paged64_int8)
 
 _PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
@@ -162,6 +161,7 @@ def scale_format(scales: torch.Tensor) -> str:
 # --- shared checks --------------------------------------------------------------------------------------------------
 def _check_rope(cos_sin: torch.Tensor, dim: int, rope_offset: int, device: torch.device) -> None:
     v.tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, device=device)
+    v.integer("rope_offset", rope_offset)
     rope_dim = cos_sin.shape[1]
     if rope_dim % 2 or rope_dim <= 0 or rope_offset < 0 or rope_offset + rope_dim > dim:
         raise v.IndexerInputError(f"cos_sin width {rope_dim} at rope_offset {rope_offset} must be even and fit in "
@@ -291,6 +291,7 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, *, ue8m0: bool = Fa
     """
     v.tensor("x", x, dtype=v.ACT_DTYPES)
     v.positive_int("group_size", group_size)
+    v.boolean("ue8m0", ue8m0)
     if x.dim() == 0 or x.shape[-1] % group_size:
         raise v.IndexerInputError(f"x's last dim ({list(x.shape)}) must be a multiple of group_size={group_size}")
     return x, group_size, ue8m0, _default_fp8(x, fp8_dtype, target)
@@ -328,6 +329,7 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, 
     v.tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
     v.tensor("weight", weight, shape=(x.shape[1],), device=x.device)
     v.positive_int("group_size", group_size)
+    v.boolean("ue8m0", ue8m0)
     if x.shape[1] % group_size:
         raise v.IndexerInputError(f"x's width {x.shape[1]} must be a multiple of group_size={group_size}")
     if not eps > 0:
@@ -355,6 +357,8 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
     interleaved pairs (V4, trailing dims). ``head_weights`` is the raw ``weights_proj(x)`` output.
     """
     _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
+    v.boolean("interleaved", interleaved)
+    v.boolean("ue8m0", ue8m0)
     return (q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, ue8m0,
             _default_fp8(q, fp8_dtype, target))
 
@@ -373,6 +377,7 @@ def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tens
     power-of-two scale per (token, head). Returns ``(q_fp8 [T, H, D], weights [T, H] f32 = head_weights *
     weight_scale * row_scale)``, what the fp8 logits ops read."""
     _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=True)
+    v.boolean("interleaved", interleaved)
     v.positive_int("block", block)
     if q.shape[2] % block:
         raise v.IndexerInputError(f"q's head dim {q.shape[2]} must be a multiple of the FP4 block {block}")
@@ -397,6 +402,8 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
     entries here) or "none" (keys normed by the caller). ``slot_mapping [T]``: the cache slot of each token; -1 skips it.
     """
     t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
+    v.boolean("interleaved", interleaved)
+    v.boolean("ue8m0", ue8m0)
     check_kv_cache(kv_cache)
     v.tensor("kv_cache", kv_cache, device=k.device)
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
@@ -509,7 +516,7 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
                                       f"got {max_len!r}")
         logits = logits[:, : max_len]  # wider than the logits: the whole width, as without a bound
     r, c = logits.shape
-    v.positive_int("k", k)
+    v.index_count("k", k)
     v.tensor("ends", ends, dtype=torch.int32, shape=(r,), device=logits.device)
     columns = "logits columns" if max_len is None else f"logits columns, bounded by max_len={max_len}"
     v.in_range("ends", ends, 0, c + 1, columns)
@@ -556,7 +563,7 @@ def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Te
     physical cache slots ``block_table[b, pos // 64] * 64 + pos % 64`` instead (-1 stays -1), what FlashMLA's
     sparse decode and SGLang read."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    v.positive_int("k", k)
+    v.index_count("k", k)
     if not isinstance(return_slots, bool):
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
     return q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots
@@ -574,7 +581,7 @@ def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, we
     ties to the lower column, -1 padded; the order within a row is not part of the contract). A fused
     implementation never holds the [S, N] logits; the composed one (generic) runs the two ops."""
     _check_ragged(q, k, k_scales, weights, ks, ke)
-    v.positive_int("topk", topk)
+    v.index_count("topk", topk)
     return q, k, k_scales, weights, ks, ke, topk
 
 
@@ -636,6 +643,7 @@ def q_prologue_plain(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     ``weights = head_weights * weight_scale`` (the q scale is NOT folded in: the int8 kernels take it apart)."""
     _check_format(key_format)
     _check_q_inputs(q, positions, cos_sin, head_weights, weight_scale, rope_offset, hadamard=key_format == "int8")
+    v.boolean("interleaved", interleaved)
     return q, positions, cos_sin, head_weights, float(weight_scale), rope_offset, interleaved, key_format
 
 
@@ -655,6 +663,7 @@ def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, no
     symmetric int8 per key, its fp16 scale into ``key_scales [pages, 64, 1]``. ``slot_mapping`` -1 skips a row."""
     _check_format(key_format)
     t = _check_k_inputs(k, norm_weight, norm_bias, eps, positions, cos_sin, rope_offset, norm)
+    v.boolean("interleaved", interleaved)
     _check_plain_cache(key_cache, key_scales, key_format, k.device)
     v.tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(t,), device=k.device)
     v.in_range("slot_mapping", slot_mapping, -1, key_cache.shape[0] * PAGE_SIZE, "cache slots, -1 = skip")
@@ -698,7 +707,7 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
     b = block_table.shape[0]
     v.tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, shape=(b + 1,), device=q.device)
     v.tensor("seq_lens_k", seq_lens_k, dtype=torch.int32, shape=(b,), device=q.device)
-    v.positive_int("k", k)
+    v.index_count("k", k)
     if compress_ratio not in (1, 4):
         raise v.IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio!r}")
     if v.ranges_checked(cu_seqlens_q):

@@ -31,9 +31,11 @@ from typing import Callable
 import torch
 
 from .batch import DecodeBatch, PrefillBatch
-from .contract.cache import PAGE_SIZE, IndexKCache
+from .contract.cache import LAYOUT_PAGE_BYTES, PAGE_SIZE, IndexKCache
+from .contract.validate import device_unavailable, fits_in_memory
 from .compressor import CompressorState
 from .config import MODELS
+from .dispatch.platform import platform_of
 from .dispatch.plugins import default_registry
 from .dispatch.target import Target, detect_target
 from .indexer import Indexer
@@ -132,10 +134,9 @@ def _device(name: str | None) -> torch.device:
         device = torch.device(name)
     except RuntimeError as exc:
         raise ValueError(f"--device {name!r} is not a torch device ({exc})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None and torch.version.hip is None else "built with GPU support"
-        raise ValueError(f"--device {name}: this torch ({torch.__version__}, {build}) sees no CUDA/ROCm GPU; "
-                         "run without --device to use the CPU")
+    reason = device_unavailable(device)  # the message `Indexer(device=...)` gives too
+    if reason is not None:
+        raise ValueError(f"--device {name}: {reason}; run without --device to use the CPU")
     return device
 
 
@@ -176,6 +177,21 @@ def versions_block() -> dict:
     return out
 
 
+def _check_run_fits(cfg, device: torch.device, target: Target, batch: int, context: int, max_len: int,
+                    warmup: bool | None) -> None:
+    """Refuse up front a run whose cache, RoPE table and context activations cannot fit the device: a long
+    ``--context`` would otherwise end minutes in, in torch's allocator, naming no option."""
+    layout = platform_of(target.vendor).cache_layout(cfg.compress_ratio)
+    page_bytes = LAYOUT_PAGE_BYTES[layout]
+    pages = (batch + 1) * -(-(max_len // cfg.compress_ratio + 1) // PAGE_SIZE)
+    caches = 2 if (device.type != "cpu" if warmup is None else warmup) else 1  # the warm-up fills a scratch cache
+    needed = (caches * pages * page_bytes + cfg.max_position * cfg.rope_dim * 4
+              + context * cfg.hidden_size * (4 + 2))  # one request's context drawn in fp32, then its bf16 copy
+    fits_in_memory(f"dsa-indexer run --context {context} --batch {batch} ({caches} index-K cache"
+                   f"{'s' if caches > 1 else ''} of {pages} pages, the RoPE table, a request's context activations)",
+                   needed, device, "use a smaller --context or --batch")
+
+
 def run_main_job(settings: RunSettings, progress=None) -> dict:
     device = _device(settings.device)
     on_gpu = device.type != "cpu"
@@ -194,6 +210,7 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
               "extended for this synthetic run (a real model is not trained past it)")
     cfg = dataclasses.replace(base, max_position=max(base.max_position if on_gpu else 0, max_len))
     target = detect_target(device, settings.target)
+    _check_run_fits(cfg, device, target, batch, context, max_len, settings.warmup)
     default_registry().start_recording_usage()  # the report lists what this run used, not what the process did
     decode_keys = (context + steps * next_n) // ratio
     if decode_keys <= base.topk:

@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import IndexerInputError, ranges_checked
+from .validate import INT32_MAX, IndexerInputError, device_argument, fits_in_memory, human_bytes, ranges_checked
 
 PAGE_SIZE = 64
 HEAD_DIM = 128
 SCALE_BYTES = 4
 BYTES_PER_TOKEN = HEAD_DIM + SCALE_BYTES  # 132
 PAGE_BYTES = PAGE_SIZE * BYTES_PER_TOKEN  # 8448
+MAX_PAGES = INT32_MAX // PAGE_SIZE  # a page past this has slots beyond int32 (block tables, top-k slots are int32)
 LAYOUT_PAGED64 = "paged64_fp8_e4m3"
 LAYOUT_PAGED64_BF16 = "paged64_bf16"
 LAYOUT_PAGED64_INT8 = "paged64_int8"
@@ -50,6 +51,10 @@ FP4_VALUE_BYTES = HEAD_DIM // 2  # 64
 FP4_BYTES_PER_TOKEN = FP4_VALUE_BYTES + SCALE_BYTES  # 68
 FP4_PAGE_BYTES = PAGE_SIZE * FP4_BYTES_PER_TOKEN  # 4352
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitude of e2m1 code c (bits 0-2); bit 3 is the sign
+# Bytes of one page of each layout, keys and scales (int8: an fp16 scale per key): what `IndexKCache.allocate` checks
+# against the device before allocating.
+LAYOUT_PAGE_BYTES = {LAYOUT_PAGED64: PAGE_BYTES, LAYOUT_PAGED64_FP4: FP4_PAGE_BYTES,
+                     LAYOUT_PAGED64_BF16: PAGE_SIZE * HEAD_DIM * 2, LAYOUT_PAGED64_INT8: PAGE_SIZE * (HEAD_DIM + 2)}
 # The key format of each paged layout that the paged ops read (their problem fact ``keys``), by bytes per token.
 PAGED_KEY_FORMATS = {BYTES_PER_TOKEN: "fp8", FP4_BYTES_PER_TOKEN: "fp4"}
 
@@ -310,6 +315,17 @@ class IndexKCache:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         _check_fp8(fp8_dtype)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not supported; supported: {', '.join(LAYOUTS)}")
+        if num_pages > MAX_PAGES:
+            raise IndexerInputError(f"num_pages={num_pages} is past the int32 slot limit: slots are int32 "
+                                    f"(slot = page * {PAGE_SIZE} + row), so a cache holds at most MAX_PAGES = "
+                                    f"{MAX_PAGES} pages ({MAX_PAGES * PAGE_SIZE} tokens)")
+        device = device_argument("device", device)
+        page_bytes = LAYOUT_PAGE_BYTES[layout]
+        fits_in_memory(f"IndexKCache.allocate(num_pages={num_pages}, layout={layout!r}) at "
+                       f"{human_bytes(page_bytes)} a page", num_pages * page_bytes, device,
+                       "allocate fewer pages")
         if layout == LAYOUT_PAGED64:
             data = torch.zeros(num_pages, PAGE_SIZE, 1, BYTES_PER_TOKEN, dtype=torch.uint8, device=device)
             return cls(data, fp8_dtype)
