@@ -186,8 +186,20 @@ class IndexerConfig:
         the keys to add, unless ``allow_missing_mscale=True``, which builds DeepSeek's unscaled table anyway (with a
         warning). A config whose mscale ratio or ``attention_factor`` is not 1 is always refused. V4 is the
         exception that transformers makes too: its compress rope (the indexer's) gets ``attention_factor`` 1.0 when
-        the file gives none, so DeepSeek-V4-Flash's own config.json (YaRN factor 16, no mscale keys) loads."""
-        data = _read_hf_config(source)
+        the file gives none, so DeepSeek-V4-Flash's own config.json (YaRN factor 16, no mscale keys) loads.
+
+        A file's errors (not JSON, not an object, a value refused here) name the file."""
+        data, origin = _read_hf_config(source)
+        try:
+            return cls._from_hf_fields(data, allow_missing_mscale, overrides)
+        except ValueError as exc:
+            if origin is None:
+                raise
+            raise ValueError(f"{origin}: {exc}") from None
+
+    @classmethod
+    def _from_hf_fields(cls, data: Mapping[str, Any], allow_missing_mscale: bool, overrides: Mapping[str, Any]
+                        ) -> "IndexerConfig":
         model_type = data.get("model_type")
         if model_type == "deepseek_v32":
             base = cls.deepseek_v32()
@@ -265,18 +277,37 @@ def _recipe_error(recipe: object) -> ValueError:
                       "'deepseek': the model's own numerics, DEEPSEEK_RECIPES)")
 
 
-def _read_hf_config(source) -> dict[str, Any]:
+def _read_hf_config(source) -> tuple[dict[str, Any], Path | None]:
+    """The config as a dict, and the file it was read from (None for a dict or a transformers config)."""
     if isinstance(source, Mapping):
-        return dict(source)
+        return dict(source), None
     if hasattr(source, "to_dict"):  # a transformers PretrainedConfig
-        return source.to_dict()
+        return source.to_dict(), None
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as handle:
-        return json.load(handle)
+    return read_json_object(path, "the object of a config.json"), path
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that is not UTF-8 JSON text, or holds another JSON value, raises a
+    ValueError naming the file (json's own errors name only a line and column)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:  # a permission error, a folder
+        raise ValueError(f"{path} cannot be read ({exc.strerror or exc}); expected {what}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a UTF-8 JSON text file (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                         f"expected {what}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); expected "
+                         f"{what}") from None
+    if not isinstance(data, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        raise ValueError(f"{path} holds a JSON {kind}, not {what}")
+    return data
 
 
 def _config_int(data: Mapping[str, Any], key: str) -> int:
@@ -331,7 +362,7 @@ def _yarn_of(rope: Mapping[str, Any], allow_missing_mscale: bool, model_type: st
         if not allow_missing_mscale:
             raise ValueError(message + " Add \"mscale\": 1.0, \"mscale_all_dim\": 1.0 to the rope scaling, or pass "
                              "allow_missing_mscale=True to build DeepSeek's unscaled table anyway")
-        warnings.warn(message + " Building DeepSeek's unscaled table (allow_missing_mscale=True).", stacklevel=3)
+        warnings.warn(message + " Building DeepSeek's unscaled table (allow_missing_mscale=True).", stacklevel=4)
         return yarn
     if not math.isclose(amplitude, 1.0, rel_tol=1e-9):
         raise ValueError(f"{model_type} config: the rope scaling's {source} scales the RoPE amplitude by "

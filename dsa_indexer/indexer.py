@@ -6,6 +6,7 @@ file never names a vendor and does not change when a backend is added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -53,6 +54,20 @@ FP8_GEMM_WEIGHTS = ("wq_b", "wk")
 def _record_after_load(module: "Indexer", incompatible_keys) -> None:
     """load_state_dict's post hook (a module-level function: a module holding it stays picklable)."""
     module.record_weight_scale_formats()
+
+
+@contextlib.contextmanager
+def _safetensors_file(path: Path):
+    """``safe_open`` whose format errors name the file (safetensors' own say only "header too large" and the like):
+    a truncated download, a Git LFS pointer or another format under a .safetensors name."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc}): a truncated or unfinished download, a "
+                         "Git LFS pointer, or another format; download it again") from None
 
 
 def _version_of(t: torch.Tensor) -> int:
@@ -335,8 +350,6 @@ class Indexer(nn.Module):
         position_bias, kv_norm}``, mapped to the inference names. Without ``config`` the model is recognized by
         which scheme the file holds (V3.2 or V4-Flash sizes); a ``config.json`` beside the file (HF format) is read
         with `IndexerConfig.from_hf_config` when present."""
-        from safetensors import safe_open
-
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
@@ -350,7 +363,7 @@ class Indexer(nn.Module):
         schemes = [(c, prefix, names) for c in candidates for prefix, names in checkpoint_schemes(c, layer)]
         state: dict[str, torch.Tensor] = {}
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            with _safetensors_file(file) as handle:
                 for key in handle.keys():
                     if key.startswith(tuple(prefix for _, prefix, _ in schemes)):
                         state[key] = handle.get_tensor(key)

@@ -230,3 +230,38 @@ def test_a_v4_flash_checkpoint_with_its_config_json_loads_layer_2(tmp_path):
     assert indexer.wq_b_is_block_fp8 and indexer.gemm_scale_fmt("wq_b") == "ue8m0"  # e8m0 scales + ue8m0 recipe
     assert torch.equal(indexer.compressor.ape, tensors["layers.2.attn.indexer.compressor.ape"])
 
+
+# --- files that are not what their name says: the error names the file ---
+def test_a_config_json_that_is_not_json_names_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "deepseek_v4", "hidden_size": 4096,\n')  # cut short
+    with pytest.raises(ValueError, match=rf"{path} is not valid JSON \(.* line 2"):
+        IndexerConfig.from_hf_config(tmp_path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(ValueError, match=rf"{path} is not a UTF-8 JSON text file"):
+        IndexerConfig.from_hf_config(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"{path} holds a JSON list, not the object of a config.json"):
+        IndexerConfig.from_hf_config(path)
+    # A config.json beside a checkpoint is read the same way, and its errors name it too.
+    save_file(_v4_checkpoint_layer(V4_TINY, 2, _fresh_gen()), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{path} holds a JSON list"):
+        Indexer.from_safetensors(tmp_path, layer=2)
+    # The config's own errors name the file it came from.
+    path.write_text(json.dumps({**V4_FLASH_JSON, "quantization_config": {"scale_fmt": "e8m0"}}))
+    with pytest.raises(ValueError, match=rf"{path}: config scale_fmt is 'e8m0'"):
+        IndexerConfig.from_hf_config(path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "empty"])
+def test_a_safetensors_file_that_is_not_one_names_the_file(tmp_path, damage):
+    good = tmp_path / "good.safetensors"
+    save_file(_v4_checkpoint_layer(V4_TINY, 2, _fresh_gen()), str(good))
+    bad = tmp_path / "model-00002-of-00002.safetensors"
+    data = {"truncated": good.read_bytes()[: good.stat().st_size // 2], "text": b"version https://git-lfs.github.com",
+            "empty": b""}[damage]
+    bad.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{bad} is not a readable safetensors file \(.+\)"):
+        Indexer.from_safetensors(bad, layer=2, config=V4_TINY)
+    with pytest.raises(ValueError, match=rf"{bad} is not a readable safetensors file"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
