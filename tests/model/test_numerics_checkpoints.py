@@ -231,6 +231,73 @@ def test_a_v4_flash_checkpoint_with_its_config_json_loads_layer_2(tmp_path):
     assert torch.equal(indexer.compressor.ape, tensors["layers.2.attn.indexer.compressor.ape"])
 
 
+# --- which files a checkpoint folder is read from (model.safetensors.index.json, duplicate keys) ---
+def _index(folder: Path, weight_map: dict[str, str]) -> Path:
+    path = folder / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return path
+
+
+def test_a_folder_with_an_index_reads_the_tensors_from_the_files_it_names(tmp_path):
+    gen = _fresh_gen()
+    fresh = _v4_checkpoint_layer(V4_TINY, 2, gen)
+    stale = _v4_checkpoint_layer(V4_TINY, 2, gen)  # other values under the same names
+    # The index spreads the layer over two shards; a stale single file sits beside them, and it sorts last.
+    first = {k: v for k, v in fresh.items() if "compressor" in k}
+    second = {k: v for k, v in fresh.items() if "compressor" not in k}
+    save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file(stale, str(tmp_path / "model.safetensors"))
+    _index(tmp_path, {**dict.fromkeys(first, "model-00001-of-00002.safetensors"),
+                      **dict.fromkeys(second, "model-00002-of-00002.safetensors"),
+                      "layers.0.attn.wkv.weight": "model-00003-of-00003.safetensors"})  # not needed, not read
+    for source in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        indexer = Indexer.from_safetensors(source, layer=2, config=V4_TINY)
+        p = "layers.2.attn.indexer."
+        assert torch.equal(indexer.compressor.ape, fresh[p + "compressor.ape"])
+        assert torch.equal(indexer.weights_proj.weight, fresh[p + "weights_proj.weight"])
+        assert torch.equal(indexer.wq_b.weight.view(torch.uint8), fresh[p + "wq_b.weight"].view(torch.uint8))
+
+
+def test_an_index_naming_a_missing_shard_names_the_index_and_the_shard(tmp_path):
+    tensors = _v4_checkpoint_layer(V4_TINY, 2, _fresh_gen())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    index = _index(tmp_path, dict.fromkeys(tensors, "model-00001-of-00002.safetensors"))
+    with pytest.raises(FileNotFoundError, match=rf"{index} puts layers\.2\.attn\.indexer\.\S+ \(and 6 more\) in "
+                                                r"model-00001-of-00002\.safetensors, but \S+ does not exist"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
+    # A shard that exists but lacks a tensor the index puts in it: the two disagree.
+    save_file({k: v for k, v in tensors.items() if not k.endswith("ape")},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors does not hold "
+                                         r"layers\.2\.attn\.indexer\.compressor\.ape"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
+
+
+def test_an_index_that_is_not_an_index_is_refused_naming_it(tmp_path):
+    save_file(_v4_checkpoint_layer(V4_TINY, 2, _fresh_gen()), str(tmp_path / "model.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match=rf"{index} is not valid JSON"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
+    index.write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=rf"{index} has no 'weight_map'"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
+
+
+def test_without_an_index_a_tensor_in_two_files_is_refused_naming_both(tmp_path):
+    gen = _fresh_gen()
+    save_file(_v4_checkpoint_layer(V4_TINY, 2, gen), str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file(_v4_checkpoint_layer(V4_TINY, 2, gen), str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.2\.attn\.indexer\.\S+ is in both "
+                                         r".*model-00001-of-00001\.safetensors and .*model\.safetensors"):
+        Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY)
+    # Other layers' tensors in a second file are no conflict: each needed tensor is in one file.
+    (tmp_path / "model.safetensors").unlink()
+    save_file(_v4_checkpoint_layer(V4_TINY, 4, gen), str(tmp_path / "model-extra.safetensors"))
+    assert Indexer.from_safetensors(tmp_path, layer=2, config=V4_TINY).compressor is not None
+
+
 # --- files that are not what their name says: the error names the file ---
 def test_a_config_json_that_is_not_json_names_the_file(tmp_path):
     path = tmp_path / "config.json"
