@@ -348,6 +348,24 @@ def _bench_command(args) -> list[str]:
     return command
 
 
+def _saved_report(text: str):
+    """``--from-json FILE`` as a `BenchReport`; a file that is not a saved report is refused naming it."""
+    import pathlib
+
+    from . import bench
+    from .config import read_json_object
+
+    path = pathlib.Path(text)
+    try:
+        data = read_json_object(path, "a dsa-indexer bench report (what bench --json saves)")
+    except ValueError as exc:
+        raise ValueError(f"--from-json {exc}") from None
+    try:
+        return bench.report_from_json(data)
+    except ValueError as exc:
+        raise ValueError(f"--from-json {path} is {exc}") from None
+
+
 def cmd_bench(args) -> int:
     import contextlib
 
@@ -359,9 +377,7 @@ def cmd_bench(args) -> int:
     if args.plots:
         bench.require_matplotlib()  # before the run, not after minutes of it
     if args.from_json:  # re-render a saved run: no measurement
-        import json as json_module
-
-        report = bench.report_from_json(json_module.loads(open(args.from_json).read()))
+        report = _saved_report(args.from_json)
         print(bench.format_table(report))
         for path in bench.write_plots(report, args.plots) if args.plots else []:
             print(f"plot: {path}")

@@ -13,8 +13,9 @@ The numeric recipe is part of the config, so one object says how a model's index
 - ``key_quant`` ("fp8" | "fp4_e2m1"): the indexer's q and key quant; "fp4_e2m1" is V4's published recipe (e2m1 in
   blocks of 32 with power-of-two scales; see `dsa_indexer.fp4`).
 
-`IndexerConfig.from_hf_config` reads a model's config.json and takes the model's own recipe from it; the presets
-(`deepseek_v32`, `deepseek_v4_flash`) keep the library's serving defaults, which docs/v4.md and docs/ops.md explain.
+`IndexerConfig.from_hf_config` reads a model's config.json and takes the model's own recipe from it. The presets
+(`deepseek_v32`, `deepseek_v4_flash`) keep the library's serving defaults (``recipe="serving"``, which docs/v4.md and
+docs/ops.md explain); ``recipe="deepseek"`` gives the model's own numerics, every field of it (`DEEPSEEK_RECIPES`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ KEY_QUANTS = ("fp8", "fp4_e2m1")
 ROPE_POSITIONS = ("first", "last")
 K_NORMS = ("layernorm", "rmsnorm", "none")  # what the key prologues apply (ops.NORMS)
 INT32_MAX = 2**31 - 1
+RECIPES = ("serving", "deepseek")
+
+# DeepSeek's own numerics per model, as its inference code runs the published fp8 checkpoints (their config.json files
+# declare ``quantization_config.scale_fmt: "ue8m0"``): what ``recipe="deepseek"`` sets and what `from_hf_config` reads
+# from the official files. V3.2: q_lora and x quantized with power-of-two scales, wk kept block-fp8 (an fp8 GEMM),
+# weights_proj in fp32, fp8 q / k with power-of-two scales. V4-Flash: the same q_lora scales and FP4 e2m1 (blocks of
+# 32, power-of-two scales) for q and the compressed keys.
+DEEPSEEK_RECIPES: dict[str, dict[str, Any]] = {
+    "deepseek-v3.2": {"scale_fmt": "ue8m0", "ue8m0": True, "wk_gemm": "fp8", "weights_proj_dtype": "fp32",
+                      "key_quant": "fp8"},
+    "deepseek-v4-flash": {"scale_fmt": "ue8m0", "ue8m0": True, "wk_gemm": "bf16", "weights_proj_dtype": "bf16",
+                          "key_quant": "fp4_e2m1", "fp4_block": 32},
+}
 
 
 @dataclass(frozen=True)
@@ -148,37 +162,49 @@ class IndexerConfig:
         return self.n_heads ** -0.5 * self.head_dim ** -0.5
 
     @classmethod
-    def deepseek_v32(cls, **overrides) -> "IndexerConfig":
+    def deepseek_v32(cls, recipe: str = "serving", **overrides) -> "IndexerConfig":
         """DeepSeek-V3.2: hidden 7168, q_lora_rank 1536, 64 heads x 128, top-2048, NeoX RoPE on the first 64 dims,
-        ``weights_proj`` in fp32 (as DeepSeek's inference code runs it). The GEMM-input scales stay plain fp32 and
-        ``wk`` runs dequantized unless overridden (``scale_fmt="ue8m0", wk_gemm="fp8"`` is the model's own recipe,
-        what `from_hf_config` gives for DeepSeek's config.json)."""
-        return replace(cls(name="deepseek-v3.2", hidden_size=7168, q_lora_rank=1536, weights_proj_dtype="fp32"),
-                       **overrides)
+        ``weights_proj`` in fp32 (as DeepSeek's inference code runs it).
+
+        ``recipe``: ``"serving"`` (default) keeps the GEMM-input scales plain fp32 and runs ``wk`` dequantized (bf16,
+        fused with weights_proj); ``"deepseek"`` is the model's own numerics, what `from_hf_config` gives for
+        DeepSeek's config.json: ``scale_fmt="ue8m0", wk_gemm="fp8"`` (`DEEPSEEK_RECIPES`). ``overrides`` replace
+        fields; one that contradicts ``recipe="deepseek"`` is refused."""
+        base = cls(name="deepseek-v3.2", hidden_size=7168, q_lora_rank=1536, weights_proj_dtype="fp32")
+        return _with_recipe(base, recipe, DEEPSEEK_RECIPES["deepseek-v3.2"], {}, overrides)
 
     @classmethod
-    def deepseek_v4_flash(cls, key_quant: str = "fp8_ue8m0", **overrides) -> "IndexerConfig":
+    def deepseek_v4_flash(cls, key_quant: str | None = None, recipe: str = "serving", **overrides
+                          ) -> "IndexerConfig":
         """DeepSeek-V4-Flash C4 indexer: hidden 4096, q_lora_rank 1024, 64 heads x 128, top-512, interleaved RoPE
         on the trailing 64 dims with ``compress_rope_theta`` 160000 and YaRN (factor 16, original 65536, beta 32/1)
         over 1,048,576 positions, keys compressed 4:1 by the indexer's own `Compressor`.
 
+        ``recipe``: ``"serving"`` (default) or ``"deepseek"``, the model's own numerics (what `from_hf_config` gives
+        for DeepSeek's config.json): ``key_quant="fp4_e2m1"`` AND ``scale_fmt="ue8m0"`` (`DEEPSEEK_RECIPES`); FP4
+        without the ue8m0 q_lora scales agrees only 0.98 with DeepSeek's code (docs/v4.md).
+
         ``key_quant``: how q and the compressed keys are quantized for the logits (see `V4_KEY_QUANT`).
         Default ``"fp8_ue8m0"`` (vLLM's recipe, and V4's ``scale_fmt: ue8m0``): power-of-two scales, which every
         backend consumes, Blackwell DeepGEMM's packed UE8M0 scales included. ``"fp8_fp32"`` is SGLang's default
-        (plain amax / 448 scales). ``"fp4_e2m1"`` is DeepSeek's published recipe (e2m1, block 32, power-of-two
-        scales; docs/v4.md). All three fill the same cache layout and feed the same kernels."""
-        if key_quant not in V4_KEY_QUANT:
+        (plain amax / 448 scales). ``"fp4_e2m1"`` is DeepSeek's (e2m1, block 32, power-of-two scales; docs/v4.md),
+        the default of ``recipe="deepseek"``. All three fill the same cache layout and feed the same kernels."""
+        if recipe not in RECIPES:
+            raise _recipe_error(recipe)
+        named = key_quant if key_quant is not None else ("fp4_e2m1" if recipe == "deepseek" else "fp8_ue8m0")
+        if named not in V4_KEY_QUANT:
             hint = (" DeepSeek's FP4 recipe (e2m1, block 32, power-of-two scales) is 'fp4_e2m1'."
-                    if key_quant.lower().startswith("fp4") else "")
-            raise ValueError(f"key_quant must be one of {sorted(V4_KEY_QUANT)}, got {key_quant!r}.{hint}")
-        ue8m0, quant = V4_KEY_QUANT[key_quant][0], V4_KEY_QUANT[key_quant][2]
+                    if str(named).lower().startswith("fp4") else "")
+            raise ValueError(f"key_quant must be one of {sorted(V4_KEY_QUANT)}, got {named!r}.{hint}")
+        ue8m0, quant = V4_KEY_QUANT[named][0], V4_KEY_QUANT[named][2]
         base = cls(name="deepseek-v4-flash", hidden_size=4096, q_lora_rank=1024, topk=512, rope_position="last",
                    rope_interleaved=True, rope_theta=160000.0,
                    yarn=YarnScaling(factor=16.0, original_max_position=65536, beta_fast=32.0, beta_slow=1.0),
                    max_position=1 << 20, ue8m0=ue8m0, k_norm="none", compress_ratio=4,
                    checkpoint_prefix="layers.{layer}.attn.indexer.", key_quant=quant)
-        return replace(base, **overrides)
-
+        # key_quant is this preset's own name for the q / key quant: checked against the recipe like a field.
+        named_fields = {"key_quant": ("fp4_e2m1", key_quant)} if key_quant is not None else {}
+        return _with_recipe(base, recipe, DEEPSEEK_RECIPES["deepseek-v4-flash"], named_fields, overrides)
 
     @classmethod
     def from_hf_config(cls, source: "str | Path | Mapping[str, Any]", *, allow_missing_mscale: bool = False,
@@ -192,8 +218,22 @@ class IndexerConfig:
         ``mscale_all_dim`` = 1.0, a ratio of 1). A YaRN config without both keys would make transformers scale the
         indexer's cos / sin by ``0.1 ln(factor) + 1`` (1.369 for V3.2's factor 40): such a file is refused, naming
         the keys to add, unless ``allow_missing_mscale=True``, which builds DeepSeek's unscaled table anyway (with a
-        warning). A config whose mscale ratio or ``attention_factor`` is not 1 is always refused."""
-        data = _read_hf_config(source)
+        warning). A config whose mscale ratio or ``attention_factor`` is not 1 is always refused. V4 is the
+        exception that transformers makes too: its compress rope (the indexer's) gets ``attention_factor`` 1.0 when
+        the file gives none, so DeepSeek-V4-Flash's own config.json (YaRN factor 16, no mscale keys) loads.
+
+        A file's errors (not JSON, not an object, a value refused here) name the file."""
+        data, origin = _read_hf_config(source)
+        try:
+            return cls._from_hf_fields(data, allow_missing_mscale, overrides)
+        except ValueError as exc:
+            if origin is None:
+                raise
+            raise ValueError(f"{origin}: {exc}") from None
+
+    @classmethod
+    def _from_hf_fields(cls, data: Mapping[str, Any], allow_missing_mscale: bool, overrides: Mapping[str, Any]
+                        ) -> "IndexerConfig":
         model_type = data.get("model_type")
         if model_type == "deepseek_v32":
             base = cls.deepseek_v32()
@@ -211,6 +251,12 @@ class IndexerConfig:
             if data.get(key) is not None:
                 fields[field] = _config_int(data, key)
         rope = _rope_section(data, compress)
+        if compress and rope.get("rope_type", rope.get("type")) == "yarn":
+            # transformers' DeepseekV4Config.__post_init__ gives the compress rope (the indexer's) attention_factor 1.0
+            # when the file has none (huggingface/transformers, src/transformers/models/deepseek_v4/
+            # configuration_deepseek_v4.py @015c078164151a049126942989817713e83a8f3e; also in release 5.24.0), as
+            # DeepSeek's V4 inference code never scales cos / sin: DeepSeek-V4-Flash's config.json has no mscale keys.
+            rope.setdefault("attention_factor", 1.0)
         theta = data.get(theta_key, rope.get("rope_theta") if rope else None)
         if theta is not None:
             fields["rope_theta"] = float(theta)
@@ -283,18 +329,61 @@ def _check_yarn_section(rope: Mapping[str, Any], model_type: str) -> None:
             raise ValueError(f"{model_type} config: the YaRN rope scaling's {key!r} must be a number, got {value!r}")
 
 
-def _read_hf_config(source) -> dict[str, Any]:
+def _with_recipe(base: IndexerConfig, recipe: str, deepseek: Mapping[str, Any],
+                 named: Mapping[str, tuple[Any, Any]], overrides: Mapping[str, Any]) -> IndexerConfig:
+    """``base`` under ``recipe``, then ``overrides``. Under "deepseek" a field (or a preset argument in ``named``:
+    name -> (the recipe's value, the one passed)) that says otherwise is refused: which of the two was meant is not
+    ours to guess."""
+    if recipe not in RECIPES:
+        raise _recipe_error(recipe)
+    if recipe == "deepseek":
+        given = {**{name: value for name, (_, value) in named.items()}, **overrides}
+        wanted = {**{name: value for name, (value, _) in named.items()}, **deepseek}
+        for name, value in given.items():
+            if name in wanted and value != wanted[name]:
+                raise ValueError(f"recipe='deepseek' sets {name}={wanted[name]!r} (DeepSeek's numerics for "
+                                 f"{base.name}), got {name}={value!r}: pass one of the two (recipe='serving' "
+                                 "with your fields, or the recipe alone)")
+        base = replace(base, **deepseek)
+    return replace(base, **overrides)
+
+
+def _recipe_error(recipe: object) -> ValueError:
+    return ValueError(f"recipe must be 'serving' or 'deepseek', got {recipe!r} ('serving': the library's defaults; "
+                      "'deepseek': the model's own numerics, DEEPSEEK_RECIPES)")
+
+
+def _read_hf_config(source) -> tuple[dict[str, Any], Path | None]:
+    """The config as a dict, and the file it was read from (None for a dict or a transformers config)."""
     if isinstance(source, Mapping):
-        return dict(source)
+        return dict(source), None
     if hasattr(source, "to_dict"):  # a transformers PretrainedConfig
-        return source.to_dict()
+        return source.to_dict(), None
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    with open(path) as handle:
-        return json.load(handle)
+    return read_json_object(path, "the object of a config.json"), path
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that is not UTF-8 JSON text, or holds another JSON value, raises a
+    ValueError naming the file (json's own errors name only a line and column)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:  # a permission error, a folder
+        raise ValueError(f"{path} cannot be read ({exc.strerror or exc}); expected {what}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a UTF-8 JSON text file (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                         f"expected {what}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); expected "
+                         f"{what}") from None
+    if not isinstance(data, dict):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(data), "number")
+        raise ValueError(f"{path} holds a JSON {kind}, not {what}")
+    return data
 
 
 def _config_int(data: Mapping[str, Any], key: str) -> int:
@@ -350,7 +439,7 @@ def _yarn_of(rope: Mapping[str, Any], allow_missing_mscale: bool, model_type: st
         if not allow_missing_mscale:
             raise ValueError(message + " Add \"mscale\": 1.0, \"mscale_all_dim\": 1.0 to the rope scaling, or pass "
                              "allow_missing_mscale=True to build DeepSeek's unscaled table anyway")
-        warnings.warn(message + " Building DeepSeek's unscaled table (allow_missing_mscale=True).", stacklevel=3)
+        warnings.warn(message + " Building DeepSeek's unscaled table (allow_missing_mscale=True).", stacklevel=4)
         return yarn
     if not math.isclose(amplitude, 1.0, rel_tol=1e-9):
         raise ValueError(f"{model_type} config: the rope scaling's {source} scales the RoPE amplitude by "

@@ -6,6 +6,7 @@ file never names a vendor and does not change when a backend is added.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import Counter
@@ -19,7 +20,7 @@ from . import ops
 from .batch import DecodeBatch, PrefillBatch
 from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache, indices_to_slots
 from .compressor import CompressionStep, Compressor, CompressorState
-from .config import IndexerConfig
+from .config import IndexerConfig, read_json_object
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.registry import Registry, Resolution
@@ -88,6 +89,76 @@ def _check_block_scales(local: Mapping[str, torch.Tensor], prefix: str) -> None:
 def _record_after_load(module: "Indexer", incompatible_keys) -> None:
     """load_state_dict's post hook (a module-level function: a module holding it stays picklable)."""
     module.record_weight_scale_formats()
+
+
+SHARD_INDEX = "model.safetensors.index.json"  # the shard index transformers' save_pretrained writes
+
+
+def _read_checkpoint_tensors(path: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The tensors under ``prefixes`` of a safetensors file, of a folder of them, or of the shards a
+    ``model.safetensors.index.json`` names (`Indexer.from_safetensors` says which files are read)."""
+    index = path if path.is_file() and path.name.endswith(".index.json") else path / SHARD_INDEX
+    if index.is_file():
+        weight_map = _shard_weight_map(index)
+        by_file: dict[str, list[str]] = {}
+        for key, file in weight_map.items():
+            if key.startswith(prefixes):
+                by_file.setdefault(file, []).append(key)
+        state = {}
+        for file, keys in sorted(by_file.items()):
+            shard = index.parent / file
+            if not shard.is_file():
+                more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+                raise FileNotFoundError(f"{index} puts {keys[0]}{more} in {file}, but {shard} does not exist: "
+                                        "download that shard (an incomplete download?)")
+            with _safetensors_file(shard) as handle:
+                held = set(handle.keys())
+                for key in keys:
+                    if key not in held:
+                        raise ValueError(f"{index} puts {key} in {file}, but {shard} does not hold {key}: the index "
+                                         "and its shards disagree (a stale index, or shards of another download)")
+                    state[key] = handle.get_tensor(key)
+        return state
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no safetensors file in {path}")
+    state, origin = {}, {}
+    for file in files:
+        with _safetensors_file(file) as handle:
+            for key in handle.keys():
+                if not key.startswith(prefixes):
+                    continue
+                if key in origin:
+                    # Which copy is current is unknown (a stale model.safetensors beside its shards, say).
+                    raise ValueError(f"{key} is in both {origin[key]} and {file}: a folder without {SHARD_INDEX} "
+                                     "must hold each tensor once (remove the stale file, or add the index that "
+                                     "names each tensor's shard)")
+                origin[key] = file
+                state[key] = handle.get_tensor(key)
+    return state
+
+
+def _shard_weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json_object(index, f"a {SHARD_INDEX} object").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ValueError(f"{index} has no 'weight_map' object of tensor name -> shard file name (the index format "
+                         "transformers' save_pretrained writes)")
+    return weight_map
+
+
+@contextlib.contextmanager
+def _safetensors_file(path: Path):
+    """``safe_open`` whose format errors name the file (safetensors' own say only "header too large" and the like):
+    a truncated download, a Git LFS pointer or another format under a .safetensors name."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except SafetensorError as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({exc}): a truncated or unfinished download, a "
+                         "Git LFS pointer, or another format; download it again") from None
 
 
 def _version_of(t: torch.Tensor) -> int:
@@ -413,15 +484,18 @@ class Indexer(nn.Module):
         ``model.layers.{L}.self_attn.compressor.indexer.{q_b_proj, scorer.weights_proj, kv_proj, gate_proj,
         position_bias, kv_norm}``, mapped to the inference names. Without ``config`` the model is recognized by
         which scheme the file holds (V3.2 or V4-Flash sizes); a ``config.json`` beside the file (HF format) is read
-        with `IndexerConfig.from_hf_config` when present."""
-        from safetensors import safe_open
+        with `IndexerConfig.from_hf_config` when present.
 
+        Which files are read: ``path`` itself when it is a file; in a folder with a ``model.safetensors.index.json``
+        (or given that index), exactly the shards its ``weight_map`` names for this layer's tensors, each tensor from
+        the shard the index names (other files in the folder, such as a stale ``model.safetensors``, are not read;
+        shards holding none of these tensors need not be present); in a folder without an index, every
+        ``*.safetensors`` file, and a tensor found in two of them is refused, naming it and both files."""
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise IndexerInputError(f"layer must be an int >= 0 (the layer number in the checkpoint's keys), got "
                                     f"{layer!r}")
         path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-        if not files or not all(f.exists() for f in files):
+        if not path.exists():
             raise FileNotFoundError(f"no safetensors file at {path}")
         if config is None:
             config_json = (path if path.is_dir() else path.parent) / "config.json"
@@ -430,12 +504,7 @@ class Indexer(nn.Module):
         candidates = [config] if config is not None else [IndexerConfig.deepseek_v32(),
                                                           IndexerConfig.deepseek_v4_flash()]
         schemes = [(c, prefix, names) for c in candidates for prefix, names in checkpoint_schemes(c, layer)]
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    if key.startswith(tuple(prefix for _, prefix, _ in schemes)):
-                        state[key] = handle.get_tensor(key)
+        state = _read_checkpoint_tensors(path, tuple(prefix for _, prefix, _ in schemes))
         found = [(c, prefix, names) for c, prefix, names in schemes if any(k.startswith(prefix) for k in state)]
         if not found:
             raise KeyError(f"no tensors under {' or '.join(repr(p) for _, p, _ in schemes)} in {path}")

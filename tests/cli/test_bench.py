@@ -266,3 +266,17 @@ def test_topk_set_agreement_counts_selected_indices_only():
     got = torch.tensor([[1, 5, -1], [7, -1, -1], [4, 2, 0]])
     assert topk_set_agreement(got, want) == 4 / 5  # the empty row adds nothing, its extra index neither
     assert topk_set_agreement(torch.full((2, 2), -1), torch.full((2, 2), -1)) == 1.0
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"median 20.4 us\n", "is not valid JSON"),
+    (b"\xff\xfe\x00binary", "is not a UTF-8 JSON text file"),
+    (b'{"rows": [{"suite": "decode"}]}', "is not a dsa-indexer bench report"),
+    (b"[1, 2, 3]", "holds a JSON list, not a dsa-indexer bench report"),
+], ids=["text", "binary", "other-json", "json-list"])
+def test_bench_from_json_of_a_wrong_file_names_the_file(tmp_path, capsys, content, what):
+    path = tmp_path / "report.txt"
+    path.write_bytes(content)
+    assert main(["bench", "--from-json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--from-json {path} {what}" in err and "Traceback" not in err

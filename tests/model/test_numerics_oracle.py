@@ -112,9 +112,8 @@ LENGTH = 2600  # 650 entries: the last rows see > 512, so the top-512 is a real 
 ROWS = list(range(LENGTH - 48, LENGTH))
 
 
-def v4_setup(key_quant: str, seed: int):
-    cfg = dataclasses.replace(IndexerConfig.deepseek_v4_flash(key_quant=key_quant), name="v4-small", hidden_size=512,
-                              q_lora_rank=256, max_position=4096, scale_fmt="ue8m0")
+def v4_setup(preset: IndexerConfig, seed: int):
+    cfg = dataclasses.replace(preset, name="v4-small", hidden_size=512, q_lora_rank=256, max_position=4096)
     indexer = Indexer(cfg).init_random(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(LENGTH, cfg.hidden_size, generator=gen).to(torch.bfloat16)
@@ -131,7 +130,9 @@ def v4_setup(key_quant: str, seed: int):
 @pytest.fixture(scope="module")
 def fp4_run():
     seed = int(torch.randint(0, 10_000, ()))
-    return v4_setup("fp4_e2m1", seed)
+    # DeepSeek's whole recipe in one argument: FP4 q / keys AND ue8m0 q_lora scales (FP4 alone, with the default
+    # fp32 GEMM-input scales, is the oracle's "scale_fmt fp32" mutation below: 0.98).
+    return v4_setup(IndexerConfig.deepseek_v4_flash(recipe="deepseek"), seed)
 
 
 def test_the_fp4_recipe_agrees_with_the_oracle_and_its_mutations_do_not(fp4_run):
@@ -149,7 +150,8 @@ def test_the_fp4_recipe_agrees_with_the_oracle_and_its_mutations_do_not(fp4_run)
 
 @pytest.mark.parametrize("key_quant, ue8m0", [("fp8_ue8m0", True), ("fp8_fp32", False)])
 def test_the_fp8_recipes_agree_with_the_oracle_and_the_other_scale_format_does_not(key_quant, ue8m0):
-    indexer, x, q_lora, got = v4_setup(key_quant, int(torch.randint(0, 10_000, ())))
+    preset = IndexerConfig.deepseek_v4_flash(key_quant=key_quant, scale_fmt="ue8m0")
+    indexer, x, q_lora, got = v4_setup(preset, int(torch.randint(0, 10_000, ())))
     same = agreement(got, v4_logits(indexer, x, q_lora, ROWS, Recipe(index_quant="fp8", index_ue8m0=ue8m0)), ROWS,
                      indexer.config.topk)
     other = agreement(got, v4_logits(indexer, x, q_lora, ROWS, Recipe(index_quant="fp8", index_ue8m0=not ue8m0)),

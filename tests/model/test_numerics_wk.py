@@ -49,6 +49,27 @@ def test_fp8_wk_is_an_fp8_gemm_with_x_quantized_in_the_recipe_format(scale_fmt):
     assert torch.equal(project_x(indexer.step_plan(1, decode=False), x)[1], got)
 
 
+def test_the_v32_deepseek_recipe_runs_deepseeks_wk_and_weights_proj():
+    """``deepseek_v32(recipe="deepseek")`` (sizes shrunk) is DeepSeek's V3.2 code path: wk as an fp8 GEMM on x
+    quantized with power-of-two scales, weights_proj in fp32; the comparison of the two tests around this one."""
+    seed = int(torch.randint(0, 10_000, ()))
+    cfg = dataclasses.replace(IndexerConfig.deepseek_v32(recipe="deepseek"), hidden_size=TINY.hidden_size,
+                              q_lora_rank=TINY.q_lora_rank, n_heads=TINY.n_heads, topk=TINY.topk,
+                              max_position=TINY.max_position, yarn=None)
+    indexer = Indexer(cfg).init_random(seed)
+    assert isinstance(indexer.wk, BlockFp8Linear) and cfg.gemm_ue8m0
+    x = _x(40, seed)
+    got = project_k(indexer.step_plan(1, decode=False), x).double()
+    wk = indexer.wk.dequantize().double()
+    # fp32 accumulation vs float64, then one bf16 rounding: within 1 bf16 ulp (2^-8 relative) plus a tiny floor.
+    torch.testing.assert_close(got, _x_quant_float64(x, ue8m0=True) @ wk.T, rtol=2 ** -8, atol=1e-3)
+    assert (got - _x_quant_float64(x, ue8m0=False) @ wk.T).abs().max() > 1e-2  # the serving scales differ
+    weights = project_head_weights(indexer.step_plan(1, decode=False), x)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights.double(), x.double() @ indexer.weights_proj.weight.double().T, rtol=1e-5,
+                               atol=1e-6)  # fp32 accumulation of 512 terms
+
+
 def test_the_bf16_wk_path_stays_the_fused_default():
     indexer = Indexer(TINY).init_random(1)
     assert not indexer.wk_is_block_fp8 and indexer.x_projections_fusable
