@@ -34,6 +34,7 @@ from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 from ...contract.quant import GEMM_INPUT_LAYOUT, PRODUCER_UNROUNDED
+from .paged import MAX_INT32_PAGES
 from .quant import aiter_fused_rms_fp8_group_quant
 
 __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
@@ -94,7 +95,11 @@ PAGED_CAPS = Capabilities("aiter's paged kernel",
                           next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),
                           dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
-                          keys=("fp8",))  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
+                          keys=("fp8",),  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
+                          pages=Rule(lambda pages: isinstance(pages, int) and pages <= MAX_INT32_PAGES,
+                                     f"at most {MAX_INT32_PAGES} cache pages (its key addresses are int32 and wrap "
+                                     f"past 2**31 - 1 bytes: paged.MAX_INT32_PAGES, ROCm/aiter e4048607); the "
+                                     f"Triton kernel serves larger caches"))
 
 
 def _topk_supports(problem: Problem, target: Target) -> str | None:

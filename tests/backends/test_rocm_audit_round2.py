@@ -1,0 +1,123 @@
+"""Issue 34, items 15-17: the AMD backend against upstream aiter (ROCm/aiter main e4048607, read from its source).
+
+No AMD GPU and no aiter here: resolution runs on simulated environments, the adapters on the test doubles of
+tests/doubles/aiter.py (written from aiter's source, not aiter), large caches as meta tensors (no allocation).
+
+- 15: aiter's plain paged kernel (`aiter/ops/triton/_triton_kernels/attention/pa_mqa_logits.py`,
+  `_deepgemm_fp8_paged_mqa_logits`) forms key offsets ``block * stride_k_block + token * stride_k_token + dim`` in
+  int32, so a cache of more than 254,200 pages (8448 bytes each) reads wrong keys: refused, Triton serves it.
+- 16: aiter >= v0.1.17 rebuilds, inside the first call, a prebuilt module whose ``.so`` carries code objects for other
+  archs only (`aiter/jit/core.py`, `_needs_arch_rebuild`): such a module counts as not built.
+- 17: the CK block-scale GEMM is refused on gfx1250 (`aiter/ops/gemm_op_a8w8.py` enables it there on one allowlist
+  line, `_BLOCKSCALE_HIP_PREBUILT_ARCHES`, with no gfx1250 row in any tuned config; not run there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_indexer import ops
+from dsa_indexer.backends.reference import kernels as ref
+from dsa_indexer.backends.rocm import aiter_api
+from dsa_indexer.backends.rocm import paged
+from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
+from doubles.aiter import PlainPagedKernelDouble, install_fake_aiter
+
+GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
+FP8 = {GFX942: "fnuz", GFX950: "fn", GFX1250: "fn"}
+WITH_AITER = Environment.simulated(gpu=True, triton=True, aiter=True)
+# Worked out by hand from the kernel's arithmetic and this cache's strides (8448 bytes per page, 128 per token):
+# page 254199's last key byte is at 254199 * 8448 + 63 * 128 + 127 = 2,147,481,343 <= 2**31 - 1, page 254200's at
+# 2,147,489,791 > 2**31 - 1. So caches of up to 254,200 pages are safe.
+LAST_SAFE_PAGE_COUNT = 254_200
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = Registry()
+    load_plugins(reg, entry_points=False)
+    return reg
+
+
+def _candidate(res, impl_id):
+    return next(c for c in res.candidates if c.impl.impl_id == impl_id)
+
+
+# --- 15: aiter's paged kernel and caches past its int32 addresses -------------------------------------------------
+def _random_paged_case(seed, pages=9, requests=2, heads=16):
+    """Random 64-token pages, a shuffled table over them, lengths not multiples of 64: the reference's arguments."""
+    from dsa_indexer.testing import random_cache
+
+    gen = torch.Generator().manual_seed(seed)
+    width = pages // requests
+    cache = random_cache(pages, "cpu", seed=seed).data
+    table = torch.randperm(pages, generator=gen)[: requests * width].to(torch.int32).view(requests, width)
+    lens = torch.randint(1, width * 64, (requests, 1), generator=gen, dtype=torch.int32)
+    lens[lens % 64 == 0] += 1
+    q = (torch.randn(requests, 1, heads, 128, generator=gen) * 30).to(torch.float8_e4m3fn)
+    w = torch.randn(requests, heads, generator=gen)
+    return q, cache, w, lens, table, width * 64
+
+
+def test_the_strides_the_adapter_launches_make_page_254200_wrap_in_int32():
+    """The limit from the strides the registered launch really passes (recorded by the kernel double), with the
+    kernel's int32 offset of a page's last key byte: it fits for page 254199 and wraps for page 254200."""
+    kernel = PlainPagedKernelDouble()
+    args = _random_paged_case(1)
+    got = paged.make_paged_mqa_logits("kernel", fn=kernel)(*args)
+    finite = torch.isfinite(ref.paged_mqa_logits(*args))
+    assert torch.equal(torch.isfinite(got), finite)  # the adapter itself is right on a small cache
+    (_, kw), = kernel.launches
+    last_key_byte = (kw["KVBlockSize"] - 1) * kw["stride_k_token"] + kw["HiddenDim"] - 1
+    int32_max = 2**31 - 1
+    assert (LAST_SAFE_PAGE_COUNT - 1) * kw["stride_k_block"] + last_key_byte <= int32_max
+    assert LAST_SAFE_PAGE_COUNT * kw["stride_k_block"] + last_key_byte > int32_max
+    assert paged.MAX_INT32_PAGES == LAST_SAFE_PAGE_COUNT
+
+
+@pytest.mark.parametrize("target", [GFX942, GFX950])
+def test_aiters_paged_kernel_is_refused_past_254200_pages_and_triton_serves(registry, target):
+    def resolve(pages):
+        return registry.resolve("paged_mqa_logits", target, Problem(heads=64, dim=128, next_n=1, fp8=FP8[target],
+                                                                    keys="fp8", pages=pages),
+                                environment=WITH_AITER)
+
+    assert resolve(LAST_SAFE_PAGE_COUNT).chosen.impl_id == "paged_mqa_logits.rocm.aiter"
+    res = resolve(LAST_SAFE_PAGE_COUNT + 1)
+    assert res.chosen.impl_id == "paged_mqa_logits.triton.logits"
+    reason = _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    assert reason.startswith("pages=254201: aiter's paged kernel takes at most 254200 cache pages")
+    assert "int32" in reason and "Triton kernel serves larger caches" in reason
+    assert "pages=254201" in res.explain()
+
+
+def test_the_paged_ops_problem_carries_the_cache_page_count(registry):
+    """From the op's own facts, on meta tensors (a 2 GiB cache described, not allocated): the problem of a call over
+    254,201 pages names them, and resolution for it leaves aiter's kernel."""
+    meta = dict(device="meta")
+    q = torch.empty(2, 1, 64, 128, dtype=torch.float8_e4m3fn, **meta)
+    weights = torch.empty(2, 64, dtype=torch.float32, **meta)
+    lens = torch.empty(2, 1, dtype=torch.int32, **meta)
+    table = torch.empty(2, 4, dtype=torch.int32, **meta)
+    for pages, chosen in ((LAST_SAFE_PAGE_COUNT, "paged_mqa_logits.rocm.aiter"),
+                          (LAST_SAFE_PAGE_COUNT + 1, "paged_mqa_logits.triton.logits")):
+        cache = torch.empty(pages, 64, 1, 132, dtype=torch.uint8, **meta)
+        problem = ops.paged_mqa_logits.problem(q, cache, weights, lens, table, 256)
+        assert problem.get("pages") == pages
+        assert registry.resolve("paged_mqa_logits", GFX950, problem,
+                                environment=WITH_AITER).chosen.impl_id == chosen
+
+
+def test_the_adapter_refuses_a_cache_past_the_limit_before_launching():
+    """Called directly (not through resolution), the adapter raises naming kv_cache and the limit, before any
+    allocation or launch (meta tensors: nothing to allocate)."""
+    kernel = PlainPagedKernelDouble()
+    fn = paged.make_paged_mqa_logits("kernel", fn=kernel)
+    meta = dict(device="meta")
+    q = torch.empty(2, 1, 16, 128, dtype=torch.float8_e4m3fn, **meta)
+    cache = torch.empty(LAST_SAFE_PAGE_COUNT + 1, 64, 1, 132, dtype=torch.uint8, **meta)
+    with pytest.raises(ValueError, match=r"kv_cache has 254201 pages: .*int32.* past 254200 pages.*Triton"):
+        fn(q, cache, torch.empty(2, 16, **meta), torch.empty(2, 1, dtype=torch.int32, **meta),
+           torch.empty(2, 4, dtype=torch.int32, **meta), 256)
+    assert kernel.launches == []
