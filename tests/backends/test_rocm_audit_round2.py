@@ -121,3 +121,71 @@ def test_the_adapter_refuses_a_cache_past_the_limit_before_launching():
         fn(q, cache, torch.empty(2, 16, **meta), torch.empty(2, 1, dtype=torch.int32, **meta),
            torch.empty(2, 4, dtype=torch.int32, **meta), 256)
     assert kernel.launches == []
+
+
+# --- 16: a prebuilt module counts as built only where aiter's own arch check would load it ----------------------
+TOPK = dict(k=2048, slots=False, starts=False)
+
+
+def _pretend_rocm_gpu(monkeypatch):
+    """The probe's device checks pass (a ROCm torch seeing one GPU); self-tests run on the CPU; no earlier result."""
+    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = aiter_api.self_test
+    monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
+
+
+@pytest.mark.parametrize("running, built_for, jit_dir_env, usable", [
+    ("gfx950", ("gfx942",), False, False),  # v0.1.17+: a gfx942 build on a gfx950 host is rebuilt in the first call
+    ("gfx950", ("gfx942",), True, False),  # the same under $AITER_JIT_DIR
+    ("gfx950", ("gfx942", "gfx950"), False, True),  # a fat build that holds this arch loads as is
+    ("gfx942", ("gfx942",), False, True),
+    ("gfx950", (), False, True),  # no code-object ids found: aiter's check keeps the module (so do we)
+    (None, ("gfx942",), False, True),  # an aiter before v0.1.17 has no arch check and loads it as is
+])
+def test_prebuilt_modules_follow_aiters_own_arch_check(monkeypatch, tmp_path, registry, running, built_for,
+                                                       jit_dir_env, usable):
+    modules = ("module_top_k_per_row", "module_gemm_a8w8_blockscale")
+    fp8 = torch.float8_e4m3fnuz if running == "gfx942" else torch.float8_e4m3fn  # aiter.dtypes.fp8 of that GPU
+    fake = install_fake_aiter(monkeypatch, fp8=fp8, with_stable=True,
+                              jit=dict(tmp_path=tmp_path, prebuilt=() if jit_dir_env else modules,
+                                       running_arch=running, built_for={md: built_for for md in modules}))
+    fake.gemm_a8w8_blockscale = lambda *a, **k: pytest.fail("the probe must not call a CK function")
+    if jit_dir_env:
+        from doubles.aiter import _offload_bundle
+
+        elsewhere = tmp_path / "user_jit"
+        elsewhere.mkdir()
+        for md in modules:
+            (elsewhere / f"{md}.so").write_bytes(_offload_bundle(built_for))
+        monkeypatch.setenv("AITER_JIT_DIR", str(elsewhere))
+    else:
+        monkeypatch.delenv("AITER_JIT_DIR", raising=False)
+    _pretend_rocm_gpu(monkeypatch)
+    assert aiter_api.probe() is None
+    api = aiter_api.detected_api()
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None},
+                         name=f"probed-arch-{running}-{'-'.join(built_for)}-{jit_dir_env}")
+    target = Target("rocm", running or "gfx950")
+    topk = registry.resolve("topk_indices", target, Problem(**TOPK), environment=probed)
+    gemm = registry.resolve("gemm_fp8_blockscale", target, Problem(), environment=probed)
+    if usable:
+        assert api.unbuilt == {} and api.module_notes == {}
+        assert topk.chosen.impl_id == "topk_indices.rocm.aiter_stable"
+        assert gemm.chosen.impl_id == "gemm_fp8_blockscale.rocm.aiter"
+    else:
+        assert api.unbuilt == {"topk_decode": ("module_top_k_per_row",), "topk_stable": ("module_top_k_per_row",),
+                               "gemm_blockscale": ("module_gemm_a8w8_blockscale",)}
+        words = "module_top_k_per_row is built for gfx942, not this GPU's gfx950 (aiter.jit.core._needs_arch_rebuild)"
+        assert api.module_notes["module_top_k_per_row"] == words[len("module_top_k_per_row "):]
+        reason = _candidate(topk, "topk_indices.rocm.aiter_stable").reason
+        assert words in reason and "hipcc" in reason and "GPU_ARCHS=" in reason
+        assert topk.chosen.impl_id == "topk_indices.triton.topk"
+        assert "module_gemm_a8w8_blockscale is built for gfx942" in _candidate(
+            gemm, "gemm_fp8_blockscale.rocm.aiter").reason
+        assert gemm.chosen.impl_id == "gemm_fp8_blockscale.triton.gemm"
+        assert "module_top_k_per_row is built for gfx942" in api.describe()
+    assert not [c for c in fake.calls if c[0] == "top_k_per_row_decode"]  # the probe never calls a HIP function

@@ -130,7 +130,7 @@ def _available(field: str, op: str):
         if getattr(api, field) is None:
             return f"aiter {api.version} has no function for {op}: it needs {NEEDS[field]}"
         if api.unbuilt.get(field):
-            return "; ".join(prebuild_hint(md) for md in api.unbuilt[field])
+            return "; ".join(prebuild_hint(md, api.module_notes.get(md)) for md in api.unbuilt[field])
         if field == "ragged_wrapper" and api.ragged_self_test:
             return f"aiter {api.version} ragged logits self-test failed: {api.ragged_self_test}"
         if field == "paged_logits" and api.paged_self_test:
