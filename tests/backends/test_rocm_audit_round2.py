@@ -189,3 +189,19 @@ def test_prebuilt_modules_follow_aiters_own_arch_check(monkeypatch, tmp_path, re
         assert gemm.chosen.impl_id == "gemm_fp8_blockscale.triton.gemm"
         assert "module_top_k_per_row is built for gfx942" in api.describe()
     assert not [c for c in fake.calls if c[0] == "top_k_per_row_decode"]  # the probe never calls a HIP function
+
+
+# --- 17: the CK block-scale GEMM is not enabled on gfx1250 -----------------------------------------------------------
+def test_ck_gemm_is_refused_on_gfx1250_and_triton_serves(registry):
+    res = registry.resolve("gemm_fp8_blockscale", GFX1250, Problem(fp8="fn"), environment=WITH_AITER)
+    assert res.chosen.impl_id == "gemm_fp8_blockscale.triton.gemm"
+    reason = _candidate(res, "gemm_fp8_blockscale.rocm.aiter").reason
+    assert reason.startswith("gfx1250: aiter's CK gemm_a8w8_blockscale is not verified there")
+    assert "no tuned gfx1250 shapes" in reason and "SIGSEGV" in reason and "Triton GEMM serves it" in reason
+    for target in (GFX942, GFX950):  # where it was registered for, unchanged
+        res = registry.resolve("gemm_fp8_blockscale", target, Problem(fp8=FP8[target]), environment=WITH_AITER)
+        assert res.chosen.impl_id == "gemm_fp8_blockscale.rocm.aiter"
+    # The fused quant (a Triton kernel of aiter) stays the gfx1250 producer; its consumer is now the Triton GEMM.
+    res = registry.resolve("rmsnorm_quant_fp8", GFX1250, Problem(group_size=128, ue8m0=False, fp8="fn"),
+                           environment=WITH_AITER)
+    assert res.chosen.impl_id == "rmsnorm_quant_fp8.rocm.aiter"

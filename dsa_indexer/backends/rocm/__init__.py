@@ -1,4 +1,4 @@
-"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950, gfx1250 by feature).
+"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950; gfx1250 the fused quant).
 
 Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the per-arch table, versions and what
 was run where):
@@ -19,7 +19,8 @@ Not registered, with the reason (``UNREGISTERED``): the K store (aiter's cache o
 fnuz range), the plain quant and the q prologue (no aiter function with this recipe / fusion).
 
 Targets: gfx942 takes e4m3fnuz, gfx950 and gfx1250 e4m3fn; problems of the other flavour are rejected with a
-reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (nothing was run there).
+reason. On gfx1250 only the Triton-level producer is enabled (nothing was run there; the CK GEMM is refused,
+`GEMM_GFX1250` says why).
 
 ``aiter`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
 """
@@ -177,7 +178,21 @@ def _paged_factory():
     return make_paged_mqa_logits(launch="kernel")
 
 
+# Why the CK GEMM is off on gfx1250 (ROCm/aiter e4048607, aiter/ops/gemm_op_a8w8.py): aiter routes
+# gemm_a8w8_blockscale to its prebuilt CK module only for the archs of _BLOCKSCALE_HIP_PREBUILT_ARCHES, because a
+# code object for another arch "SIGSEGVs uncatchably at kernel launch" (its comment), and gfx1250 joined that set in
+# the commit that added the FlyDSL preshuffled GEMM (242fee05, #4210), not a CK change; the module's instance list
+# (csrc/ck_gemm_a8w8_blockscale/gemm_a8w8_blockscale_instance.py) is written in CK's XDL (xdlops) tile parameters,
+# and no a8w8_blockscale tuned-GEMM csv under aiter/configs has a gfx1250 row. A crash of that kind
+# cannot be caught by an in-process self-test, and nothing here ran on gfx1250: refused until it is run there.
+GEMM_GFX1250 = ("gfx1250: aiter's CK gemm_a8w8_blockscale is not verified there (aiter enables it for gfx1250 by one "
+                "allowlist entry, _BLOCKSCALE_HIP_PREBUILT_ARCHES, with no tuned gfx1250 shapes, and says a code object "
+                "of the wrong arch SIGSEGVs at launch; not run on gfx1250); the Triton GEMM serves it")
+
+
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
+    if target.arch == "gfx1250":
+        return GEMM_GFX1250
     out = problem.get("out")
     if out is not None and out not in ("torch.bfloat16", "torch.float16"):
         return f"out={out}: aiter's gemm_a8w8_blockscale writes bf16 or fp16"
