@@ -205,3 +205,32 @@ def test_ck_gemm_is_refused_on_gfx1250_and_triton_serves(registry):
     res = registry.resolve("rmsnorm_quant_fp8", GFX1250, Problem(group_size=128, ue8m0=False, fp8="fn"),
                            environment=WITH_AITER)
     assert res.chosen.impl_id == "rmsnorm_quant_fp8.rocm.aiter"
+
+
+# --- 18: what the reasons and the docs say about aiter's releases and about CI -----------------------------------
+def test_reasons_say_no_aiter_release_has_the_paged_kernel_and_which_has_stable_topk(monkeypatch, registry):
+    """An aiter without the block-level paged kernel and without stable= (0.1.7's paths, as every tag up to
+    v0.1.20.post1 for the paged kernel and up to v0.1.19.post2 for stable=, read from ROCm/aiter's git tags): the
+    reasons `explain` prints say what to install."""
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", (None, aiter_api.AiterApi(
+        version="0.1.7-fake", fp8_dtype=torch.float8_e4m3fn, topk_decode="aiter.ops.topk.top_k_per_row_decode")))
+    probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-releases")
+    res = registry.resolve("paged_mqa_logits", GFX950, Problem(heads=64, dim=128, next_n=1, fp8="fn"),
+                           environment=probed)
+    reason = _candidate(res, "paged_mqa_logits.rocm.aiter").reason
+    assert "no release has it" in reason and "v0.1.20.post1" in reason and "04907edc" in reason
+    res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed)
+    assert "stable=True) (ROCm/aiter v0.1.20 on" in _candidate(res, "topk_indices.rocm.aiter_stable").reason
+
+
+def test_the_tests_over_aiters_real_kernels_are_not_counted_as_ci():
+    """`.deps/` (aiter's Python files for the real-kernel tests) is git-ignored and CI runs `.ci/run` on a clean clone,
+    so no row of the run table may credit those tests to CPU CI."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    assert "/.deps/" in (root / ".gitignore").read_text().split()
+    assert ".deps" not in (root / ".ci" / "run").read_text()
+    rows = [line for line in (root / "docs" / "backends-amd-npu.md").read_text().splitlines()
+            if line.startswith("|") and ".deps/" in line]
+    assert rows and all("CPU CI" not in row and "CI skips it" in row for row in rows), rows

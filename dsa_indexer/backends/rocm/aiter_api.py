@@ -44,9 +44,11 @@ CHECKED = "ROCm/aiter main e4048607 and amd-aiter 0.1.7.post2.dev18 (source read
 NEEDS = {
     "ragged_wrapper": "fp8_mqa_logits (Triton; amd-aiter 0.1.7.post2.dev18 and ROCm/aiter main e4048607)",
     "paged_logits": "the block-level Triton kernel _deepgemm_fp8_paged_mqa_logits (KVBlockSize, block and token "
-                    "strides; ROCm/aiter main e4048607; amd-aiter 0.1.7.post2.dev18 has a page-size-1 kernel only)",
+                    "strides): a source install of ROCm/aiter main (04907edc on, e4048607 read); no release has it "
+                    "(amd-aiter 0.1.7.post2.dev18 and every tag up to v0.1.20.post1: page-size-1 kernel only)",
     "topk_decode": "aiter.ops.topk.top_k_per_row_decode (HIP, module_top_k_per_row; 0.1.7.post2.dev18 and main)",
-    "topk_stable": "top_k_per_row_decode(..., stable=True) (ROCm/aiter main e4048607; not in 0.1.7.post2.dev18)",
+    "topk_stable": "top_k_per_row_decode(..., stable=True) (ROCm/aiter v0.1.20 on, main e4048607; not in "
+                   "0.1.7.post2.dev18)",
     "fused_rms_quant": "fused_rms_fp8_group_quant (Triton; 0.1.7.post2.dev18 and main)",
     "gemm_blockscale": "aiter.gemm_a8w8_blockscale (CK, module_gemm_a8w8_blockscale; 0.1.7.post2.dev18 and main)",
 }

@@ -26,7 +26,9 @@ code runs on NVIDIA (the H200 test) and in Triton's interpreter. The ``"wrapper"
 flag says it routes to the plain kernel, and refuses otherwise (`wrapper_route`).
 
 amd-aiter 0.1.7.post2.dev18 has neither: its ``deepgemm_fp8_paged_mqa_logits`` and kernel have no ``KVBlockSize``
-(a page-size-1 cache, ``kv_cache [num_blocks, 1, 1, D + 4]``), so the feature check finds nothing to adapt.
+(a page-size-1 cache, ``kv_cache [num_blocks, 1, 1, D + 4]``), so the feature check finds nothing to adapt. Nor does
+any release: the plain kernel of every ROCm/aiter tag up to v0.1.20.post1 takes ``stride_k_seq`` (page size 1); it
+took block and token strides in main's commit 04907edc (#4825, 2026-08-20), after the last tag.
 
 Semantics, matched here: one length per request (row j of request b sees keys ``t <= context_lens[b] - N + j``,
 causal next_n), so the registration takes next_n 1; columns past a row's last chunk are not written, so the
@@ -144,7 +146,8 @@ def make_paged_mqa_logits(launch: str = "kernel", fn: Any = None) -> Callable[..
             what = (f"block-level {WRAPPER_NAME} (a KVBlockSize parameter)" if launch == "wrapper" else
                     f"{KERNEL_NAME} taking block and token strides and KVBlockSize")
             raise RuntimeError(f"aiter has no {what} in {', '.join(WRAPPER_MODULES + KERNEL_MODULES)} (amd-aiter "
-                               "0.1.7 reads a page-size-1 cache; ROCm/aiter main e4048607 has it)")
+                               "0.1.7 and every tag up to v0.1.20.post1 read a page-size-1 cache; ROCm/aiter main has "
+                               "it from 04907edc on, e4048607 read)")
         fn = found[1]
     if launch == "wrapper":
         reason = wrapper_route(fn)
