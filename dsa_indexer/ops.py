@@ -474,9 +474,10 @@ def ragged_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, 
 @declare("(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, int max_context_len) "
          "-> Tensor",
          # keys: what the pages hold, by their bytes per token: "fp8" (132, paged64_fp8_e4m3) or "fp4" (68,
-         # paged64_fp4_e2m1); an implementation declares the formats it reads.
+         # paged64_fp4_e2m1); an implementation declares the formats it reads. pages: the cache's page count, for
+         # kernels whose addresses stop short of a large cache (aiter's paged kernel: int32 offsets).
          facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "fp8": "fp8_name(q.dtype)",
-                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'"},
+                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'", "pages": "kv_cache.shape[0]"},
          fake=lambda q, kv_cache, weights, context_lens, block_table, max_context_len: q.new_empty(
              (q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32))
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,

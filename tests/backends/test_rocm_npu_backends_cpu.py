@@ -482,7 +482,7 @@ def test_aiter_0_1_7_provides_no_paged_logits_and_says_which_aiter_does(monkeypa
     reason = _candidate(res, "paged_mqa_logits.rocm.aiter").reason
     assert "has no function for paged_mqa_logits" in reason and "e4048607" in reason
     res = registry.resolve("topk_indices", GFX950, Problem(**TOPK), environment=probed)
-    assert "stable=True) (ROCm/aiter main e4048607" in _candidate(res, "topk_indices.rocm.aiter_stable").reason
+    assert "stable=True) (ROCm/aiter v0.1.20 on, main e4048607" in _candidate(res, "topk_indices.rocm.aiter_stable").reason
 
 
 @pytest.mark.parametrize("how", ["absent", "rebuild", "jit_dir", "package"])

@@ -47,7 +47,7 @@ def test_run_small_main_job_verifies(model, tmp_path, capsys):
 def test_explain_rejects_a_problem_key_the_op_does_not_have(capsys):
     assert main(["explain", "paged_mqa_logits", "--problem", "foo=1"]) == 2
     err = capsys.readouterr().err
-    assert "problem keys ('heads', 'dim', 'next_n', 'fp8', 'keys')" in err and "foo" in err
+    assert "problem keys ('heads', 'dim', 'next_n', 'fp8', 'keys', 'pages')" in err and "foo" in err
 
 
 def test_run_with_a_simulated_target_leaves_the_environment_alone(tmp_path, monkeypatch):

@@ -257,19 +257,57 @@ def _install_paged_double(monkeypatch, mods, triton_version="3.5.0", gfx="gfx950
     return wrapper_mod, kernel_mod
 
 
-def _install_fake_jit(monkeypatch, mods, tmp_path, prebuilt=(), rebuild=0):
-    """``aiter.jit`` with a ``core`` holding AITER_REBUILD, and a package folder holding empty ``<module>.so`` files
-    for the modules named prebuilt (find_spec only looks for the file)."""
-    import importlib.machinery
+def _offload_bundle(archs) -> bytes:
+    """Bytes standing for a HIP module's embedded code objects: one clang offload-bundle entry id per arch (what
+    aiter's arch check scans a ``.so`` for), amid filler."""
+    entries = b"".join(b"\0hipv4-amdgcn-amd-amdhsa--" + arch.encode() + b"\0" for arch in archs)
+    return b"\x7fELF fake module\0" + entries + b"\0tail"
 
+
+def _install_arch_check(core, jit_dir, running_arch):
+    """aiter's check of a prebuilt module's arch (ROCm/aiter v0.1.17 on, `aiter/jit/core.py` at e4048607:
+    ``_needs_arch_rebuild`` with ``_so_offload_archs``, ``get_user_jit_dir``, ``get_gfx_runtime``), emulated from its
+    source: the gfx names of ``<user jit dir>/<md>.so``'s offload-bundle ids; rebuild when there are some and the
+    running GPU's arch is not among them; no file or no ids: no rebuild."""
+    import os
+    import re
+
+    def get_user_jit_dir():
+        return os.environ.get("AITER_JIT_DIR") or str(jit_dir)
+
+    def get_gfx_runtime():
+        return running_arch
+
+    def _so_offload_archs(path):
+        try:
+            data = open(path, "rb").read()
+        except OSError:
+            return set()
+        return {m.group(1).decode() for m in re.finditer(rb"amdhsa--(gfx[0-9a-z]+)", data)}
+
+    def _needs_arch_rebuild(md_name):
+        built = _so_offload_archs(os.path.join(get_user_jit_dir(), f"{md_name}.so"))
+        return bool(built) and get_gfx_runtime() not in built
+
+    core.get_user_jit_dir, core.get_gfx_runtime = get_user_jit_dir, get_gfx_runtime
+    core._so_offload_archs, core._needs_arch_rebuild = _so_offload_archs, _needs_arch_rebuild
+
+
+def _install_fake_jit(monkeypatch, mods, tmp_path, prebuilt=(), rebuild=0, running_arch=None, built_for=None):
+    """``aiter.jit`` with a ``core`` holding AITER_REBUILD, and a package folder holding ``<module>.so`` files for
+    the modules named prebuilt (find_spec only looks for the file; aiter writes ``<md_name>.so``). ``running_arch``:
+    this GPU's arch for aiter's arch check (v0.1.17 on), None for an older aiter without that check;
+    ``built_for``: module -> the archs its ``.so`` holds code objects for (default: none named)."""
     jit_dir = tmp_path / "aiter_jit"
     jit_dir.mkdir(exist_ok=True)
     for md in prebuilt:
-        (jit_dir / f"{md}{importlib.machinery.EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+        (jit_dir / f"{md}.so").write_bytes(_offload_bundle((built_for or {}).get(md, ())))
     jit = types.ModuleType("aiter.jit")
     jit.__path__ = [str(jit_dir)]
     core = types.ModuleType("aiter.jit.core")
     core.AITER_REBUILD = rebuild
+    if running_arch is not None:
+        _install_arch_check(core, jit_dir, running_arch)
     jit.core = core
     mods["aiter"].jit = jit
     monkeypatch.setitem(sys.modules, "aiter.jit", jit)

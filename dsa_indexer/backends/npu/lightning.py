@@ -68,7 +68,9 @@ def make_lightning_indexer_ragged(api_of):
         kernel, name = (api.quant_indexer, QUANT_INDEXER) if int8 else (api.indexer, INDEXER)
         if kernel is None:
             raise RuntimeError(f"{api.why_not(name)}: lightning_indexer_ragged.npu.torch_npu cannot run")
-        # The weights in the dtype the kernel takes, checked after the cast (fp16 overflows to inf above 65504).
+        # The weights in a dtype every release and SoC takes, checked after the cast (fp16 overflows to inf above
+        # 65504): fp16 for the quant kernel; the query's dtype for the bf16 one (op-plugin 7.3.0 takes no other, and
+        # Ascend 950PR / 950DT no fp32; A2 / A3 take fp32 weights from 26.0.0 on: docs/backends-amd-npu.md, Numerics).
         w = weights.to(torch.float16 if int8 else q.dtype).contiguous()
         require_finite("weights", w)
         if int8:

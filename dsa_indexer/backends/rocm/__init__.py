@@ -1,4 +1,4 @@
-"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950, gfx1250 by feature).
+"""The AMD backend: aiter's kernels for the ops whose contract they can meet (gfx942, gfx950; gfx1250 the fused quant).
 
 Registrations (all through the one plugin hook; docs/backends-amd-npu.md has the per-arch table, versions and what
 was run where):
@@ -19,7 +19,8 @@ Not registered, with the reason (``UNREGISTERED``): the K store (aiter's cache o
 fnuz range), the plain quant and the q prologue (no aiter function with this recipe / fusion).
 
 Targets: gfx942 takes e4m3fnuz, gfx950 and gfx1250 e4m3fn; problems of the other flavour are rejected with a
-reason. On gfx1250 only the Triton-level producer and the CK GEMM are enabled (nothing was run there).
+reason. On gfx1250 only the Triton-level producer is enabled (nothing was run there; the CK GEMM is refused,
+`GEMM_GFX1250` says why).
 
 ``aiter`` is imported only by the probe and the factories, so importing dsa_indexer never needs it.
 """
@@ -34,6 +35,7 @@ from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 from ...contract.quant import GEMM_INPUT_LAYOUT, PRODUCER_UNROUNDED
+from .paged import MAX_INT32_PAGES
 from .quant import aiter_fused_rms_fp8_group_quant
 
 __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
@@ -94,7 +96,11 @@ PAGED_CAPS = Capabilities("aiter's paged kernel",
                           next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),
                           dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
-                          keys=("fp8",))  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
+                          keys=("fp8",),  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
+                          pages=Rule(lambda pages: isinstance(pages, int) and pages <= MAX_INT32_PAGES,
+                                     f"at most {MAX_INT32_PAGES} cache pages (its key addresses are int32 and wrap "
+                                     f"past 2**31 - 1 bytes: paged.MAX_INT32_PAGES, ROCm/aiter e4048607); the "
+                                     f"Triton kernel serves larger caches"))
 
 
 def _topk_supports(problem: Problem, target: Target) -> str | None:
@@ -125,7 +131,7 @@ def _available(field: str, op: str):
         if getattr(api, field) is None:
             return f"aiter {api.version} has no function for {op}: it needs {NEEDS[field]}"
         if api.unbuilt.get(field):
-            return "; ".join(prebuild_hint(md) for md in api.unbuilt[field])
+            return "; ".join(prebuild_hint(md, api.module_notes.get(md)) for md in api.unbuilt[field])
         if field == "ragged_wrapper" and api.ragged_self_test:
             return f"aiter {api.version} ragged logits self-test failed: {api.ragged_self_test}"
         if field == "paged_logits" and api.paged_self_test:
@@ -172,7 +178,21 @@ def _paged_factory():
     return make_paged_mqa_logits(launch="kernel")
 
 
+# Why the CK GEMM is off on gfx1250 (ROCm/aiter e4048607, aiter/ops/gemm_op_a8w8.py): aiter routes
+# gemm_a8w8_blockscale to its prebuilt CK module only for the archs of _BLOCKSCALE_HIP_PREBUILT_ARCHES, because a
+# code object for another arch "SIGSEGVs uncatchably at kernel launch" (its comment), and gfx1250 joined that set in
+# the commit that added the FlyDSL preshuffled GEMM (242fee05, #4210), not a CK change; the module's instance list
+# (csrc/ck_gemm_a8w8_blockscale/gemm_a8w8_blockscale_instance.py) is written in CK's XDL (xdlops) tile parameters,
+# and no a8w8_blockscale tuned-GEMM csv under aiter/configs has a gfx1250 row. A crash of that kind
+# cannot be caught by an in-process self-test, and nothing here ran on gfx1250: refused until it is run there.
+GEMM_GFX1250 = ("gfx1250: aiter's CK gemm_a8w8_blockscale is not verified there (aiter enables it for gfx1250 by one "
+                "allowlist entry, _BLOCKSCALE_HIP_PREBUILT_ARCHES, with no tuned gfx1250 shapes, and says a code object "
+                "of the wrong arch SIGSEGVs at launch; not run on gfx1250); the Triton GEMM serves it")
+
+
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
+    if target.arch == "gfx1250":
+        return GEMM_GFX1250
     out = problem.get("out")
     if out is not None and out not in ("torch.bfloat16", "torch.float16"):
         return f"out={out}: aiter's gemm_a8w8_blockscale writes bf16 or fp16"

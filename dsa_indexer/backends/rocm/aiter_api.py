@@ -11,8 +11,10 @@ string; the probe never raises. It runs once per process, at the first resolutio
 ``gemm_a8w8_blockscale``: ``module_gemm_a8w8_blockscale``, and ``module_gemm_a8w8_blockscale_cktile`` where that
 variant exists) are ``aiter.jit.core.compile_ops`` wrappers: when the module's ``.so`` is absent, the FIRST CALL
 runs hipcc for minutes. The PyPI wheel ships none of them prebuilt. So the probe never builds anything and never
-lets a call build: it checks, with aiter's own loading rules (`module_prebuilt`), whether each module loads as is,
-and an implementation whose module does not is turned off with a reason saying how to prebuild it.
+lets a call build: it checks, with aiter's own loading rules (`module_unready`), whether each module loads as is,
+and an implementation whose module does not is turned off with a reason saying how to prebuild it. "As is"
+includes aiter's own arch check where aiter has it (v0.1.17 on): a module built for gfx942 only, found on a gfx950,
+would be rebuilt inside the first call, so it counts as not built.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ CHECKED = "ROCm/aiter main e4048607 and amd-aiter 0.1.7.post2.dev18 (source read
 NEEDS = {
     "ragged_wrapper": "fp8_mqa_logits (Triton; amd-aiter 0.1.7.post2.dev18 and ROCm/aiter main e4048607)",
     "paged_logits": "the block-level Triton kernel _deepgemm_fp8_paged_mqa_logits (KVBlockSize, block and token "
-                    "strides; ROCm/aiter main e4048607; amd-aiter 0.1.7.post2.dev18 has a page-size-1 kernel only)",
+                    "strides): a source install of ROCm/aiter main (04907edc on, e4048607 read); no release has it "
+                    "(amd-aiter 0.1.7.post2.dev18 and every tag up to v0.1.20.post1: page-size-1 kernel only)",
     "topk_decode": "aiter.ops.topk.top_k_per_row_decode (HIP, module_top_k_per_row; 0.1.7.post2.dev18 and main)",
-    "topk_stable": "top_k_per_row_decode(..., stable=True) (ROCm/aiter main e4048607; not in 0.1.7.post2.dev18)",
+    "topk_stable": "top_k_per_row_decode(..., stable=True) (ROCm/aiter v0.1.20 on, main e4048607; not in "
+                   "0.1.7.post2.dev18)",
     "fused_rms_quant": "fused_rms_fp8_group_quant (Triton; 0.1.7.post2.dev18 and main)",
     "gemm_blockscale": "aiter.gemm_a8w8_blockscale (CK, module_gemm_a8w8_blockscale; 0.1.7.post2.dev18 and main)",
 }
@@ -75,6 +79,7 @@ class AiterApi:
     ragged_self_test: str | None = None  # None: passed (or not run); else why it failed
     paged_self_test: str | None = None  # None: passed (or not run); else why it failed
     unbuilt: dict[str, tuple[str, ...]] = field(default_factory=dict)  # field -> compiled modules not built yet
+    module_notes: dict[str, str] = field(default_factory=dict)  # module -> why it would be rebuilt, if not "absent"
 
     def describe(self) -> str:
         """What this install provides, per adapter (``-``: absent), with the self-tests' and the modules' state."""
@@ -84,7 +89,7 @@ class AiterApi:
             path = getattr(self, name)
             if path is None:
                 return f"{label}: - (needs {NEEDS[name]})"
-            notes = [f"{module} not built" for module in self.unbuilt.get(name, ())]
+            notes = [f"{module} {self.module_notes.get(module, 'not built')}" for module in self.unbuilt.get(name, ())]
             test = {"ragged_wrapper": self.ragged_self_test, "paged_logits": self.paged_self_test}.get(name)
             if test:
                 notes.append(f"self-test failed: {test}")
@@ -108,43 +113,82 @@ def _version() -> str:
         return str(getattr(module, "__version__", "(unknown version)"))
 
 
-def module_prebuilt(md_name: str, function: str) -> bool:
-    """Would aiter load its compiled module ``md_name`` without building it? aiter.jit.core's loading rules
-    (e4048607 and 0.1.7): ``AITER_REBUILD`` set rebuilds at the first call; a prebuilt ``aiter_`` extension
-    (0.1.7's ``PREBUILD_KERNELS``) serves the functions it has; else the module is imported as ``md_name`` from
-    ``$AITER_JIT_DIR`` when set, or as ``aiter.jit.<md_name>``. Anything unreadable counts as not built."""
+NOT_BUILT = "is not built"
+ARCH_CHECK = "_needs_arch_rebuild"  # aiter.jit.core, ROCm/aiter v0.1.17 on (commit 575bed7e, #3849); absent before
+
+
+def _built_for_another_arch(core: Any, md_name: str) -> str | None:
+    """Why aiter would rebuild its prebuilt ``md_name`` for this GPU, by aiter's own check; None when it would not.
+
+    Since v0.1.17 (ROCm/aiter `aiter/jit/core.py`, e4048607 too) ``get_module`` first asks ``_needs_arch_rebuild``:
+    a ``<md_name>.so`` under aiter's user JIT dir whose offload bundles name gfx archs, none of them the running GPU's,
+    makes aiter raise ModuleNotFoundError and rebuild it with hipcc inside that call. An older aiter has no such
+    check and loads the module as it is, so nothing more can be said there (the file-presence rule decides)."""
+    needs_rebuild = getattr(core, ARCH_CHECK, None)
+    if not callable(needs_rebuild) or not needs_rebuild(md_name):
+        return None
+    try:  # the archs, for the reason, from aiter's own helpers when it has them (private: best effort)
+        built = sorted(core._so_offload_archs(os.path.join(core.get_user_jit_dir(), f"{md_name}.so")))
+        running = core.get_gfx_runtime()
+        return f"is built for {', '.join(built)}, not this GPU's {running} (aiter.jit.core.{ARCH_CHECK})"
+    except Exception:  # noqa: BLE001
+        return f"is built for other GPU archs than this one (aiter.jit.core.{ARCH_CHECK})"
+
+
+def module_unready(md_name: str, function: str) -> str | None:
+    """None when aiter would load its compiled module ``md_name`` without building it; else why it would build it
+    at the first call ("is not built", or the arch it was built for). aiter.jit.core's loading rules (e4048607 and
+    0.1.7): ``AITER_REBUILD`` set rebuilds at the first call; a prebuilt ``aiter_`` extension (0.1.7's
+    ``PREBUILD_KERNELS``) serves the functions it has; else the module is imported as ``md_name`` from
+    ``$AITER_JIT_DIR`` when set, or as ``aiter.jit.<md_name>``, unless aiter's arch check (v0.1.17 on) finds it built
+    for other archs only. Anything unreadable counts as not built."""
     try:
         core = importlib.import_module("aiter.jit.core")
         if int(getattr(core, "AITER_REBUILD", 0) or 0):
-            return False
+            return NOT_BUILT
         if getattr(core, "PREBUILD_KERNELS", False) and hasattr(getattr(core, "aiter_", None), function):
-            return True
+            return None
         jit_dir = os.environ.get("AITER_JIT_DIR")
         if jit_dir:
-            return importlib.machinery.PathFinder.find_spec(md_name, [jit_dir]) is not None
-        return importlib.util.find_spec(f"aiter.jit.{md_name}") is not None
+            found = importlib.machinery.PathFinder.find_spec(md_name, [jit_dir]) is not None
+        else:
+            found = importlib.util.find_spec(f"aiter.jit.{md_name}") is not None
+        return _built_for_another_arch(core, md_name) if found else NOT_BUILT
     except Exception:  # noqa: BLE001 - an aiter whose loader we cannot read might build at the first call
-        return False
+        return NOT_BUILT
 
 
-def prebuild_hint(md_name: str) -> str:
-    return (f"aiter's {md_name} is not built: its first call would compile it with hipcc (minutes, inside a "
-            f"step). Build it before serving, then restart: install aiter from source with PREBUILD_KERNELS=1 "
-            f"GPU_ARCHS=<your gfx arch> (aiter's CONTRIBUTE.md), or call the function once in a warm-up process "
-            f"(aiter then keeps {md_name}.so under aiter/jit or $AITER_JIT_DIR)")
+def module_prebuilt(md_name: str, function: str) -> bool:
+    """Would aiter load its compiled module ``md_name`` as it is, without building it (`module_unready`)?"""
+    return module_unready(md_name, function) is None
 
 
-def _unbuilt(api: "AiterApi", has_cktile: bool) -> dict[str, tuple[str, ...]]:
+def prebuild_hint(md_name: str, why: str | None = None) -> str:
+    return (f"aiter's {md_name} {why or NOT_BUILT}: its first call would compile it with hipcc (minutes, inside a "
+            f"step). Build it for this GPU before serving, then restart: install aiter from source with "
+            f"PREBUILD_KERNELS=1 GPU_ARCHS=<your gfx arch> (aiter's CONTRIBUTE.md), or call the function once in a "
+            f"warm-up process (aiter then keeps {md_name}.so under aiter/jit or $AITER_JIT_DIR)")
+
+
+def _unbuilt(api: "AiterApi", has_cktile: bool) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """field -> its modules that a first call would build, and module -> why where that is not plain absence."""
     missing: dict[str, tuple[str, ...]] = {}
+    notes: dict[str, str] = {}
     for name, modules in JIT_MODULES.items():
         if getattr(api, name) is None:
             continue
         if name == "gemm_blockscale" and has_cktile:
             modules = modules + (CKTILE_MODULE,)
-        absent = tuple(md for md, function in modules if not module_prebuilt(md, function))
+        absent = []
+        for md, function in modules:
+            why = module_unready(md, function)
+            if why is not None:
+                absent.append(md)
+                if why != NOT_BUILT:
+                    notes[md] = why
         if absent:
-            missing[name] = absent
-    return missing
+            missing[name] = tuple(absent)
+    return missing, notes
 
 
 def detect_api() -> AiterApi:
@@ -165,7 +209,8 @@ def detect_api() -> AiterApi:
                               paged_wrapper=paged_wrapper[0] if paged_wrapper else None,
                               paged_wrapper_route=paged.wrapper_route(paged_wrapper[1]) if paged_wrapper else None,
                               topk_stable=stable[0] if stable else None)
-    return dataclasses.replace(api, unbuilt=_unbuilt(api, gemm.find_cktile() is not None))
+    unbuilt, notes = _unbuilt(api, gemm.find_cktile() is not None)
+    return dataclasses.replace(api, unbuilt=unbuilt, module_notes=notes)
 
 
 def _first_line(exc: Exception) -> str:
@@ -239,5 +284,5 @@ def probe() -> str | None:
         if api.paged_self_test:
             log.info("dsa_indexer: aiter's paged logits self-test failed: %s", api.paged_self_test)
         for modules in sorted(set(api.unbuilt.values())):
-            log.info("dsa_indexer: %s", "; ".join(prebuild_hint(md) for md in modules))
+            log.info("dsa_indexer: %s", "; ".join(prebuild_hint(md, api.module_notes.get(md)) for md in modules))
     return reason

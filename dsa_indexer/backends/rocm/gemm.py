@@ -5,8 +5,9 @@ Read from ROCm/aiter's source (HEAD e4048607, 2026-08; `aiter/ops/gemm_op_a8w8.p
 allocates and returns Y [M, N]; XQ [M, K] and WQ [N, K] are fp8 of one flavour (``aiter.dtypes.fp8``: e4m3fnuz on
 gfx942, e4m3fn on gfx950 / gfx1250), ``x_scale`` [M, K/128] fp32 row-major (per-token groups of 128: exactly the
 library's `GEMM_INPUT_LAYOUT`), ``w_scale`` [N/128, K/128] fp32 row-major (the checkpoint's ``weight_scale_inv``),
-out dtype bf16 or fp16. The CK path serves gfx942 / gfx950 / gfx1250 (aiter's prebuilt archs) and falls back to aiter's
-own Triton GEMM elsewhere. The preshuffled variant (``gemm_a8w8_blockscale_bpreshuffle``, transposed x_scale,
+out dtype bf16 or fp16. aiter takes its CK path on gfx942 / gfx950 / gfx1250 (its prebuilt archs) and its own Triton
+GEMM elsewhere; the registration here refuses gfx1250 (no tuned entries there, never run: ``GEMM_GFX1250`` in this
+package's ``__init__``), so the library's Triton GEMM serves it. The preshuffled variant (``gemm_a8w8_blockscale_bpreshuffle``, transposed x_scale,
 16x16-shuffled weights) is not used: it needs the weight re-laid out at load time.
 
 Its CK modules (``module_gemm_a8w8_blockscale``, and on main ``module_gemm_a8w8_blockscale_cktile``) are built by

@@ -26,7 +26,9 @@ code runs on NVIDIA (the H200 test) and in Triton's interpreter. The ``"wrapper"
 flag says it routes to the plain kernel, and refuses otherwise (`wrapper_route`).
 
 amd-aiter 0.1.7.post2.dev18 has neither: its ``deepgemm_fp8_paged_mqa_logits`` and kernel have no ``KVBlockSize``
-(a page-size-1 cache, ``kv_cache [num_blocks, 1, 1, D + 4]``), so the feature check finds nothing to adapt.
+(a page-size-1 cache, ``kv_cache [num_blocks, 1, 1, D + 4]``), so the feature check finds nothing to adapt. Nor does
+any release: the plain kernel of every ROCm/aiter tag up to v0.1.20.post1 takes ``stride_k_seq`` (page size 1); it
+took block and token strides in main's commit 04907edc (#4825, 2026-08-20), after the last tag.
 
 Semantics, matched here: one length per request (row j of request b sees keys ``t <= context_lens[b] - N + j``,
 causal next_n), so the registration takes next_n 1; columns past a row's last chunk are not written, so the
@@ -42,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...contract.cache import PAGE_SIZE
+from ...contract.cache import HEAD_DIM, PAGE_BYTES, PAGE_SIZE
 from .lookup import find_function
 
 WRAPPER_MODULES = ("aiter.ops.triton.attention.pa_mqa_logits", "aiter.ops.triton.pa_mqa_logits")
@@ -58,6 +60,18 @@ KERNEL_PARAMS = ("batch_size", "next_n", "heads_num", "Q_buffer", "stride_q_batc
                  "stride_w_batch", "OutLogits_buffer", "stride_out_batch", "max_model_len", "max_blk_len", "ChunkQ",
                  "ChunkK", "HiddenDim", "KVBlockSize", "SplitKV")
 GLUON_FLAG = "enable_gluon_pa_mqa_logits"  # aiter's own routing decision, set at import of its wrapper module
+
+# The plain kernel's address arithmetic is 32-bit (ROCm/aiter e4048607,
+# aiter/ops/triton/_triton_kernels/attention/pa_mqa_logits.py, `_deepgemm_fp8_paged_mqa_logits`): key (block p,
+# token t, dim d) is read at ``p * stride_k_block + t * stride_k_token + d``, with p loaded from the int32 block
+# table and strides that Triton types int32 (values below 2**31; this kernel declares none of them tl.int64, unlike
+# its `_deepgemm_fp8_paged_mqa_logits_stage1` sibling in the same file). With this cache's strides (8448 bytes per
+# page, 128 per token) the offset of a page's last key byte, p * 8448 + 8191, passes 2**31 - 1 from p = 254200 on:
+# those keys wrap to negative offsets and are read from the wrong place, silently. The scale offsets (p * 2112 + t
+# fp32 words, the same byte range) stay below it for every page that passes. So a cache of more pages than this is
+# refused (the registration's `pages` capability, and the adapter itself), until aiter widens the arithmetic.
+INT32_MAX = 2**31 - 1
+MAX_INT32_PAGES = (INT32_MAX - (PAGE_SIZE * HEAD_DIM - 1)) // PAGE_BYTES + 1  # 254200 pages (2,147,481,600 bytes)
 
 
 def _param_names(fn: Any) -> list[str]:
@@ -132,7 +146,8 @@ def make_paged_mqa_logits(launch: str = "kernel", fn: Any = None) -> Callable[..
             what = (f"block-level {WRAPPER_NAME} (a KVBlockSize parameter)" if launch == "wrapper" else
                     f"{KERNEL_NAME} taking block and token strides and KVBlockSize")
             raise RuntimeError(f"aiter has no {what} in {', '.join(WRAPPER_MODULES + KERNEL_MODULES)} (amd-aiter "
-                               "0.1.7 reads a page-size-1 cache; ROCm/aiter main e4048607 has it)")
+                               "0.1.7 and every tag up to v0.1.20.post1 read a page-size-1 cache; ROCm/aiter main has "
+                               "it from 04907edc on, e4048607 read)")
         fn = found[1]
     if launch == "wrapper":
         reason = wrapper_route(fn)
@@ -145,6 +160,10 @@ def make_paged_mqa_logits(launch: str = "kernel", fn: Any = None) -> Callable[..
     def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                          block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
         b, n, heads, dim = q.shape
+        if kv_cache.shape[0] > MAX_INT32_PAGES:
+            raise ValueError(f"kv_cache has {kv_cache.shape[0]} pages: aiter's plain paged kernel addresses keys in "
+                             f"int32 and reads wrong keys past {MAX_INT32_PAGES} pages ({MAX_INT32_PAGES * PAGE_BYTES} "
+                             "bytes); use the library's Triton paged_mqa_logits (int64 addresses) for this cache")
         if n != 1:
             raise ValueError("aiter's paged logits derive each row's length from one length per request; this "
                              "adapter takes next_n 1 (the registration routes next_n > 1 elsewhere)")
