@@ -103,10 +103,11 @@ def _appears_again(values: np.ndarray) -> np.ndarray | None:
     else a sort."""
     low, high = int(values.min()), int(values.max())
     if high - low <= 4 * values.size + 4096:
-        counts = np.bincount(values - low)
+        index = values - low if low else values
+        counts = np.bincount(index)
         if counts.max() <= 1:
             return None
-        return counts[values - low] > 1
+        return (counts > 1)[index]  # a gather from a bool per value: 8x less memory than from the counts
     order = np.argsort(values, kind="stable")
     ordered = values[order]
     equal = ordered[1:] == ordered[:-1]
@@ -148,20 +149,20 @@ def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.T
     if shared is None:
         return  # every page in use by one request once: the common case, one count
     low = int(pages.min())
-    row_of, column_of = np.nonzero(used)  # row-major, as ``pages``
+    column = np.arange(columns)[None, :]
 
     def keys_of(row: int, column: int, first: int = 0) -> str:
         start = max(column * page_size, first)
         return f"[{start}, {min(int(total[row]), (column + 1) * page_size)})"
 
-    # Each (request, page) pair of a shared page as one int, sorted: equal neighbours are a request using a page
-    # twice (a lexsort of the two is ~20x slower on a long common prefix).
-    span = int(pages.max()) - low + 1
-    pair = np.sort(row_of[shared] * span + (pages[shared] - low))
-    twice = np.flatnonzero(pair[1:] == pair[:-1])
+    # Each row's pages sorted (columns it does not use turned into distinct values below every page): equal
+    # neighbours are a request using a page twice. Row by row is ~5x faster than sorting (request, page) pairs.
+    ordered = np.sort(np.where(used, table, low - 1 - column), axis=1)
+    twice = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
     if twice.size:
-        b, page = divmod(int(pair[twice[0]]), span)
-        page += low
+        b = int(twice[0])
+        row = ordered[b]
+        page = int(row[1:][row[1:] == row[:-1]][0])
         first, second = (int(c) for c in np.flatnonzero(table[b, :pages_read[b]] == page)[:2])
         raise IndexerInputError(
             f"{name} row {b} (request {b}) uses cache page {page} twice (columns {first} and {second}, its {unit} "
@@ -172,10 +173,11 @@ def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.T
         return
     cached = cached_keys.detach().to("cpu", torch.int64).numpy().clip(min=0)
     # A shared page is used by other requests too (no request uses a page twice, as checked): written, it conflicts.
-    written = (total[row_of] > cached[row_of]) & (column_of >= cached[row_of] // page_size)
+    written = (used & (column >= (cached // page_size)[:, None]) & (total > cached)[:, None])[used]
     conflicts = np.flatnonzero(written & shared)
     if not conflicts.size:
         return  # every shared page holds cached keys only: a shared prefix
+    row_of, column_of = np.nonzero(used)  # row-major, as ``pages``
     i = int(conflicts[0])
     page, writer, column = int(pages[i]), int(row_of[i]), int(column_of[i])
     j = int(np.flatnonzero((pages == page) & (row_of != writer))[0])
