@@ -19,6 +19,13 @@ rows that see no key (context length 0, top-k all -1) and store nothing (slot -1
 be negative (``seq_lens[b] < next_n``) is treated the same way. Capture runs with all-padding inputs, so the
 warm-up steps never write into the cache.
 
+What is checked where: nothing inside the graph (a replay reads no value on the host). ``replay`` /
+`DecodeBuffers.load` checks host ``seq_lens`` and ``block_table`` before copying them in: lengths, pages in use
+inside the cache, and the page rule of `DecodeBatch.build` (no request uses a page twice; a page a request writes
+belongs to it alone; read-only prefix pages may be shared), once per step for the graphs of all layers. Device
+inputs are trusted unless ``DSA_INDEXER_CHECK_RANGES=1`` (then they are read back: a sync per replay). On CPU
+tensors the `decode_metadata` op and `Indexer.forward` check the derived batch too.
+
 Rules: the first resolution of every op must happen before capture (the warm-up steps do it; DeepGEMM's probe
 runs its self-test then). ``DSA_INDEXER_CHECK_RANGES=1`` reads values on the host and cannot be captured.
 The returned tensor is the graph's static output: the next replay overwrites it (clone it to keep it).
@@ -250,8 +257,9 @@ class DecodeGraph:
     def replay(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, state_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the inputs into the static buffers and replay: int32 [b * next_n, topk] request-local positions,
-        -1 padded (a view of the static output). ``seq_lens`` on the host are validated there (no device sync);
-        on the device they are trusted. ``state_slots`` [b]: C4 compressor state slot of each request
+        -1 padded (a view of the static output). ``seq_lens`` and ``block_table`` on the host are validated there
+        (no device sync: lengths, pages, page sharing); on the device they are trusted unless
+        ``DSA_INDEXER_CHECK_RANGES=1``. ``state_slots`` [b]: C4 compressor state slot of each request
         (default 0..b-1)."""
         rows = self.buffers.load(x, q_lora, seq_lens, block_table, state_slots)
         self.graph.replay()
