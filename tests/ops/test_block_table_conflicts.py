@@ -83,6 +83,18 @@ def test_readers_refuse_a_row_that_uses_one_page_twice():
                                      twice, 8)
 
 
+def test_page_ids_far_apart_are_checked_by_sorting():
+    """Page ids spread over a huge cache (no count per page: a sort instead) follow the same rule."""
+    far = [[3 * 10**7, 10**7], [10**7 + 1, 2 * 10**7]]
+    PrefillBatch.build([64, 64], [10, 10], far)  # distinct: accepted
+    with pytest.raises(IndexerInputError, match=r"block_table row 1 .*cache page 20000000 twice"):
+        PrefillBatch.build([64, 64], [10, 10], [far[0], [2 * 10**7, 2 * 10**7]])
+    with pytest.raises(IndexerInputError, match=r"cache page 10000000 is written in this step by request 0 \(row 0, "
+                                                r"column 1: its new keys \[64, 74\)\) and read by request 1"):
+        PrefillBatch.build([64, 64], [10, 10], [far[0], [10**7, 2 * 10**7]])
+    PrefillBatch.build([64, 64], [10, 10], [far[0], [3 * 10**7, 2 * 10**7]])  # a shared prefix page: accepted
+
+
 # --- item 2: two requests writing one page ---------------------------------------------------------------------
 def test_two_requests_writing_one_page_are_refused():
     # Before: accepted; request 1's keys overwrote request 0's and 22-24 of 60 rows were wrong.
@@ -256,7 +268,7 @@ def _oracle_check(out, q_fp8, weights, rows: list[int], visible: list[int], valu
         assert bool((logits[~picked] <= kth + tol).all()), f"row {row}: a better key was left out"
 
 
-def _step_inputs(indexer, tokens: int, seed: int):
+def _step_inputs(tokens: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, TINY.hidden_size, generator=gen).to(torch.bfloat16)
     q_lora = torch.randn(tokens, TINY.q_lora_rank, generator=gen).to(torch.bfloat16)
@@ -279,7 +291,7 @@ def _run_and_check(indexer, seed, decode, next_n, cached, total, table, via_buff
     for b in range(requests):
         first_row.append(len(positions))
         positions += list(range(cached[b], total[b]))
-    x, q_lora = _step_inputs(indexer, len(positions), seed)
+    x, q_lora = _step_inputs(len(positions), seed)
     cache = random_cache(NUM_PAGES, "cpu", seed=seed)  # the cached keys, as earlier steps stored them
     before = IndexKCache.allocate(NUM_PAGES)
     before.data.copy_(cache.data)
