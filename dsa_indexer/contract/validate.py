@@ -149,7 +149,7 @@ def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.T
     if shared is None:
         return  # every page in use by one request once: the common case, one count
     low = int(pages.min())
-    column = np.arange(columns)[None, :]
+    column_index = np.arange(columns)[None, :]
 
     def keys_of(row: int, column: int, first: int = 0) -> str:
         start = max(column * page_size, first)
@@ -157,12 +157,12 @@ def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.T
 
     # Each row's pages sorted (columns it does not use turned into distinct values below every page): equal
     # neighbours are a request using a page twice. Row by row is ~5x faster than sorting (request, page) pairs.
-    ordered = np.sort(np.where(used, table, low - 1 - column), axis=1)
+    ordered = np.sort(np.where(used, table, low - 1 - column_index), axis=1)
     twice = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
     if twice.size:
         b = int(twice[0])
-        row = ordered[b]
-        page = int(row[1:][row[1:] == row[:-1]][0])
+        sorted_row = ordered[b]
+        page = int(sorted_row[1:][sorted_row[1:] == sorted_row[:-1]][0])
         first, second = (int(c) for c in np.flatnonzero(table[b, :pages_read[b]] == page)[:2])
         raise IndexerInputError(
             f"{name} row {b} (request {b}) uses cache page {page} twice (columns {first} and {second}, its {unit} "
@@ -173,7 +173,7 @@ def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.T
         return
     cached = cached_keys.detach().to("cpu", torch.int64).numpy().clip(min=0)
     # A shared page is used by other requests too (no request uses a page twice, as checked): written, it conflicts.
-    written = (used & (column >= (cached // page_size)[:, None]) & (total > cached)[:, None])[used]
+    written = (used & (column_index >= (cached // page_size)[:, None]) & (total > cached)[:, None])[used]
     conflicts = np.flatnonzero(written & shared)
     if not conflicts.size:
         return  # every shared page holds cached keys only: a shared prefix
