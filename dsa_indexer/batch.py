@@ -1,7 +1,10 @@
 """Batch metadata for one indexer step: decode (paged) and prefill / extend (ragged).
 
 Builders validate lengths against the block table and the cache capacity on the host, once per step, so the
-kernels can trust them (an out-of-range page id would otherwise read another request's keys or fault).
+kernels can trust them (an out-of-range page id would otherwise read another request's keys or fault). They also
+check how the step shares pages (`check_page_sharing`): request b reads the pages of its keys ``[0, total)`` and
+writes those of ``[cached, total)``; no request may use one cache page twice, and a page a request writes is its
+own in that step. Requests may share pages nobody writes in the step (a common cached prefix).
 With ``compress_ratio=4`` (V4's C4 indexer) keys are compressed entries: a query at position t sees entries
 ``j < (t + 1) // 4``, and the block table maps entry indices to cache slots. A row whose position p completes an
 entry ((p + 1) % 4 == 0) stores that entry j = p // 4: its ``slot_mapping`` is the entry's cache slot (-1 for the
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 
 from .contract.cache import PAGE_SIZE
-from .contract.validate import IndexerInputError
+from .contract.validate import IndexerInputError, check_page_sharing
 
 
 def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
@@ -65,6 +68,24 @@ def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, nu
                                     f"{high}]")
         return high
     return -1
+
+
+def _key_unit(compress_ratio: int) -> str:
+    return "keys" if compress_ratio == 1 else "entries"
+
+
+def check_decode_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, next_n: int, compress_ratio: int,
+                       num_cache_pages: int | None) -> int:
+    """The block-table checks of a decode step, on host tensors (`DecodeBatch.build`, and `DecodeBuffers.load` for
+    a graph's inputs): request b has ``seq_lens[b]`` tokens with its ``next_n`` new ones (0: a padding request,
+    which uses no page), so it reads the pages of its keys ``[0, seq // ratio)`` and writes those of
+    ``[(seq - next_n) // ratio, seq // ratio)``. Returns the largest page in use (-1: none)."""
+    seq = seq_lens.long()
+    total = seq // compress_ratio
+    max_page = _check_block_table(block_table, (total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+    check_page_sharing("block_table", block_table, total, PAGE_SIZE, (seq - next_n).clamp_min(0) // compress_ratio,
+                       _key_unit(compress_ratio))
+    return max_page
 
 
 def _slots(block_table: torch.Tensor, request: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -284,8 +305,7 @@ class DecodeBatch:
                                     f"got min {int(seq.min())}")
         positions = seq[:, None] - next_n + torch.arange(next_n)[None, :]  # [B, next_n]
         keys = (positions + 1) // compress_ratio  # keys visible to each row
-        needed = (keys.max(dim=1).values + PAGE_SIZE - 1) // PAGE_SIZE
-        max_page = _check_block_table(table, needed, num_cache_pages)
+        max_page = check_decode_pages(seq, table, next_n, compress_ratio, num_cache_pages)
         longest = int(keys.max())
         width = max(PAGE_SIZE, -(-longest // PAGE_SIZE) * PAGE_SIZE) if max_context_len is None else max_context_len
         if width < longest:
@@ -405,6 +425,8 @@ class PrefillBatch:
         total = prefix + extend
         keys_total = total // compress_ratio
         max_page = _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        check_page_sharing("block_table", table, keys_total, PAGE_SIZE, prefix // compress_ratio,
+                           _key_unit(compress_ratio))
         ks, ke, pos, req, gather = [], [], [], [], []
         offset = 0
         for b in range(prefix.shape[0]):

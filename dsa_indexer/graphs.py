@@ -19,6 +19,13 @@ rows that see no key (context length 0, top-k all -1) and store nothing (slot -1
 be negative (``seq_lens[b] < next_n``) is treated the same way. Capture runs with all-padding inputs, so the
 warm-up steps never write into the cache.
 
+What is checked where: nothing inside the graph (a replay reads no value on the host). ``replay`` /
+`DecodeBuffers.load` checks host ``seq_lens`` and ``block_table`` before copying them in: lengths, pages in use
+inside the cache, and the page rule of `DecodeBatch.build` (no request uses a page twice; a page a request writes
+belongs to it alone; read-only prefix pages may be shared), once per step for the graphs of all layers. Device
+inputs are trusted unless ``DSA_INDEXER_CHECK_RANGES=1`` (then they are read back: a sync per replay). On CPU
+tensors the `decode_metadata` op and `Indexer.forward` check the derived batch too.
+
 Rules: the first resolution of every op must happen before capture (the warm-up steps do it; DeepGEMM's probe
 runs its self-test then). ``DSA_INDEXER_CHECK_RANGES=1`` reads values on the host and cannot be captured.
 The returned tensor is the graph's static output: the next replay overwrites it (clone it to keep it).
@@ -32,10 +39,10 @@ from typing import Callable
 import torch
 
 from . import ops
-from .batch import DecodeBatch
+from .batch import DecodeBatch, check_decode_pages
 from .contract.cache import PAGE_SIZE, IndexKCache
 from .config import IndexerConfig
-from .contract.validate import IndexerInputError, tensor as check_tensor
+from .contract.validate import IndexerInputError, ranges_checked, tensor as check_tensor
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -58,10 +65,11 @@ class DecodeBuffers:
     next_n: int
     compress_ratio: int
     max_position: int
+    num_cache_pages: int | None = None  # pages of the graph's cache, for the block-table check of `load`
 
     @classmethod
     def allocate(cls, indexer, batch_size: int, max_context_len: int, next_n: int,
-                 device: torch.device) -> "DecodeBuffers":
+                 device: torch.device, num_cache_pages: int | None = None) -> "DecodeBuffers":
         cfg = indexer.config
         rows = batch_size * next_n
         max_pages = -(-max_context_len // PAGE_SIZE)
@@ -74,7 +82,7 @@ class DecodeBuffers:
             all_rows=torch.arange(rows, dtype=torch.int64, device=device),
             state_slots=torch.arange(batch_size, dtype=torch.int64, device=device), num_state_slots=batch_size,
             max_context_len=max_context_len, next_n=next_n, compress_ratio=cfg.compress_ratio,
-            max_position=cfg.max_position)
+            max_position=cfg.max_position, num_cache_pages=num_cache_pages)
 
     @property
     def batch_size(self) -> int:
@@ -117,8 +125,12 @@ class DecodeBuffers:
         if block_table.shape[0] != b or block_table.shape[1] > self.max_pages:
             raise IndexerInputError(f"block_table must be [{b}, <= {self.max_pages}] (one row per request, at most "
                                     f"the captured {self.max_pages} pages), got {list(block_table.shape)}")
-        if seq_lens.device.type == "cpu":
-            self._check_host_lengths(seq_lens, block_table)
+        if ranges_checked(seq_lens):  # host inputs; device ones only under DSA_INDEXER_CHECK_RANGES=1 (a sync)
+            seq = seq_lens.cpu()
+            self._check_host_lengths(seq, block_table)
+            if ranges_checked(block_table):
+                # The derivation in the graph trusts the table: pages in the cache, none shared with a writer.
+                _check_pages_once(seq, block_table.cpu(), n, self.compress_ratio, self.num_cache_pages)
         self.x[:rows].copy_(x)
         self.q_lora[:rows].copy_(q_lora)
         self.seq_lens[:b].copy_(seq_lens, non_blocking=True)
@@ -161,6 +173,23 @@ class DecodeBuffers:
                                     f"{int(pages.max())}")
 
 
+# The last host (seq_lens, block_table) `DecodeBuffers.load` checked, with the facts checked against: the graphs of
+# all layers replay one step with the same inputs, so the O(requests x pages) page check runs once per step and the
+# other layers pay a comparison (content, not identity: an engine may rewrite its host tensors through numpy).
+_last_checked: list[tuple[torch.Tensor, torch.Tensor, tuple]] = []
+
+
+def _check_pages_once(seq_lens: torch.Tensor, block_table: torch.Tensor, next_n: int, compress_ratio: int,
+                      num_cache_pages: int | None) -> None:
+    facts = (next_n, compress_ratio, num_cache_pages, seq_lens.dtype, block_table.dtype)
+    if _last_checked:
+        seen_seq, seen_table, seen_facts = _last_checked[0]
+        if seen_facts == facts and torch.equal(seen_seq, seq_lens) and torch.equal(seen_table, block_table):
+            return
+    check_decode_pages(seq_lens, block_table, next_n, compress_ratio, num_cache_pages)
+    _last_checked[:] = [(seq_lens.clone(), block_table.clone(), facts)]
+
+
 class DecodeGraph:
     """One captured decode step of one indexer layer (see the module docstring). Build it with `capture`."""
 
@@ -196,7 +225,8 @@ class DecodeGraph:
             raise IndexerInputError(f"CUDA-graph capture needs the cache on a CUDA (or ROCm) device, got {device}")
         if indexer.cos_sin.device != device:
             raise IndexerInputError(f"the indexer's weights are on {indexer.cos_sin.device}, the cache on {device}")
-        buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device)
+        buffers = DecodeBuffers.allocate(indexer, batch_size, max_context_len, next_n, device,
+                                         num_cache_pages=cache.num_pages)
         if indexer.compressor is not None:
             indexer.compression_step(buffers.derive(indexer.target), compressor_state)  # the same checks, before capture
             buffers.num_state_slots = compressor_state.num_slots
@@ -227,8 +257,9 @@ class DecodeGraph:
     def replay(self, x: torch.Tensor, q_lora: torch.Tensor, seq_lens: torch.Tensor,
                block_table: torch.Tensor, state_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the inputs into the static buffers and replay: int32 [b * next_n, topk] request-local positions,
-        -1 padded (a view of the static output). ``seq_lens`` on the host are validated there (no device sync);
-        on the device they are trusted. ``state_slots`` [b]: C4 compressor state slot of each request
+        -1 padded (a view of the static output). ``seq_lens`` and ``block_table`` on the host are validated there
+        (no device sync: lengths, pages, page sharing); on the device they are trusted unless
+        ``DSA_INDEXER_CHECK_RANGES=1``. ``state_slots`` [b]: C4 compressor state slot of each request
         (default 0..b-1)."""
         rows = self.buffers.load(x, q_lora, seq_lens, block_table, state_slots)
         self.graph.replay()

@@ -18,7 +18,8 @@ from torch import nn
 
 from . import ops
 from .batch import DecodeBatch, PrefillBatch
-from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache, indices_to_slots
+from .contract.cache import (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PAGE_SIZE, PLAIN_LAYOUT_FORMATS, IndexKCache,
+                             indices_to_slots)
 from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig, read_json_object
 from .dispatch.plugins import default_registry
@@ -31,7 +32,8 @@ from .plan import LayerWeights, StepPlan
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
 from .rope import shared_cos_sin_table
 from .contract.validate import (IndexerInputError, boolean as check_bool, device_argument as check_device,
-                                fits_in_memory, ranges_checked as check_values, tensor as check_tensor)
+                                fits_in_memory, ranges_checked as check_values, tensor as check_tensor,
+                                used_pages_in_range)
 from .contract.weights import (  # noqa: F401 - the weight formats, re-exported where they were
     E8M0_DTYPES, FLOAT_WEIGHT_DTYPES, FP8_WEIGHT_DTYPES, HF_V4_INDEXER_NAMES, HF_V4_PREFIX, SCALED_WEIGHTS,
     BlockFp8Linear, check_checkpoint_formats, checkpoint_schemes, dtype_name, e8m0_to_float, fn_to_fnuz,
@@ -708,6 +710,11 @@ class Indexer(nn.Module):
         if batch.max_page >= cache.num_pages:
             raise IndexerInputError(f"batch's block_table uses cache page {batch.max_page} but the cache has "
                                     f"{cache.num_pages} pages: build the batch with num_cache_pages=cache.num_pages")
+        if batch.max_page < 0 and isinstance(batch, DecodeBatch) and check_values(batch.block_table):
+            # A batch derived on the device (`DecodeBuffers.derive`) has no host copy of its largest page; where its
+            # values are free to read (CPU) or asked for (DSA_INDEXER_CHECK_RANGES=1) its table is checked here.
+            used_pages_in_range("block_table", batch.block_table, batch.context_lens.max(dim=1).values, PAGE_SIZE,
+                                cache.num_pages, "cache pages, for the pages a context uses")
         if batch.positions.device != x.device:
             raise IndexerInputError(f"batch is on {batch.positions.device} but x is on {x.device}: build the batch "
                                     f"with device={str(x.device)!r}")

@@ -724,6 +724,7 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
         used = torch.arange(block_table.shape[1], device=q.device)[None, :] < \
             ((entries + PAGE_SIZE - 1) // PAGE_SIZE)[:, None]
         v.in_range("block_table", block_table[used], 0, key_cache.shape[0], "cache pages, for the pages in use")
+        v.check_page_sharing("block_table", block_table, entries, PAGE_SIZE)
     return (q.contiguous(), q_scales, key_cache, key_scales, weights.contiguous(), cu_seqlens_q, seq_lens_k,
             block_table, k, compress_ratio)
 
@@ -774,6 +775,17 @@ def decode_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, state_slo
     if compress_ratio not in (1, 4):
         raise v.IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio!r}")
     v.in_range("seq_lens", seq_lens, 0, 2**31, "tokens per request, 0 for a padding request")
+    if v.ranges_checked(block_table):
+        # The slots derived here are trusted by the step: a negative page, or a page shared with a writer, would
+        # store keys into another request's slots. (CPU tensors, or DSA_INDEXER_CHECK_RANGES=1: never in a graph.)
+        seq = seq_lens.long().clamp_min(0)
+        keys = seq // compress_ratio
+        pages = ((keys + PAGE_SIZE - 1) // PAGE_SIZE).clamp_max(block_table.shape[1])
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+        v.in_range("block_table", block_table[used], 0, MAX_PAGES, "cache pages whose slots fit int32, for the "
+                   "pages in use")
+        v.check_page_sharing("block_table", block_table, keys, PAGE_SIZE, (seq - next_n).clamp_min(0) // compress_ratio,
+                             "keys" if compress_ratio == 1 else "entries")
     return seq_lens.contiguous(), block_table, state_slots.contiguous(), next_n, compress_ratio
 
 OPS = tuple(OPERATORS)

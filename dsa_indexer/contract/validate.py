@@ -6,6 +6,7 @@ import os
 
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from ..envflags import env_flag
@@ -101,13 +102,115 @@ def used_pages_in_range(name: str, block_table: torch.Tensor, keys: torch.Tensor
                         what: str, table_rows: torch.Tensor | None = None) -> None:
     """The block-table entries a row actually uses (its first ``ceil(keys / page_size)`` pages; ``table_rows`` maps
     each row to its block-table row, default row r -> r) lie in ``[0, high)``: a -1 or stale page there would turn
-    into negative or foreign slots. Entries past a row's keys are padding and may hold anything."""
+    into negative or foreign slots, and one page used twice by a row would name one key at two positions
+    (`check_page_sharing`). Entries past a row's keys are padding and may hold anything."""
     if block_table.numel() == 0 or keys.numel() == 0 or not ranges_checked(block_table):
         return
     table = block_table if table_rows is None else block_table[table_rows.long()]
     needed = (keys.long().clamp_min(0) + page_size - 1) // page_size
     used = torch.arange(table.shape[1], device=table.device)[None, :] < needed[:, None]
     in_range(name, table[used], 0, high, what)
+    # A reader sees one key at two positions where a row uses one page twice; rows of one request read its
+    # block-table row as far as the longest of them.
+    longest = keys.long().clamp_min(0)
+    if table_rows is not None:
+        longest = torch.zeros(block_table.shape[0], dtype=torch.long, device=keys.device).scatter_reduce_(
+            0, table_rows.long(), longest, "amax")
+    check_page_sharing(name, block_table, longest, page_size)
+
+
+def _appears_again(values: np.ndarray) -> np.ndarray | None:
+    """Mask of the entries whose value occurs more than once in ``values`` (int64, 1-D), None when every value
+    occurs once: a count per value where the values span little more than their number (the usual block table),
+    else a sort."""
+    low, high = int(values.min()), int(values.max())
+    if high - low <= 4 * values.size + 4096:
+        index = values - low if low else values
+        counts = np.bincount(index)
+        if counts.max() <= 1:
+            return None
+        return (counts > 1)[index]  # a gather from a bool per value: 8x less memory than from the counts
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    equal = ordered[1:] == ordered[:-1]
+    again = np.zeros(values.size, dtype=bool)
+    again[1:] |= equal
+    again[:-1] |= equal
+    if not again.any():
+        return None
+    mask = np.empty_like(again)
+    mask[order] = again
+    return mask
+
+
+def check_page_sharing(name: str, block_table: torch.Tensor, total_keys: torch.Tensor, page_size: int,
+                       cached_keys: torch.Tensor | None = None, unit: str = "keys") -> None:
+    """One step's use of cache pages, row b of ``block_table`` being request b: it reads its first
+    ``ceil(total_keys[b] / page_size)`` pages and writes those holding its keys ``[cached_keys[b], total_keys[b])``
+    (``cached_keys`` None: a reader, which writes nothing). Refused, naming the row, the columns and the page:
+
+    - a request using one cache page for two of its pages: two of its keys would share a slot, so the later store
+      overwrites the earlier key and a reader sees one key at two positions;
+    - a page one request writes that another request uses too: the writer would overwrite the keys the other
+      stored or reads, and two writers each other's.
+
+    Requests may share pages that no request writes in the step (the pages of a common cached prefix). Entries past a
+    request's pages are padding. Reads the values on the host (a device caller copies them: a sync, which is why
+    device callers run it only where their range checks run); the entries in use should be range-checked first."""
+    table = block_table.detach().to("cpu", torch.int64).numpy()
+    rows, columns = table.shape
+    if rows == 0 or columns == 0:
+        return
+    total = total_keys.detach().to("cpu", torch.int64).numpy().clip(min=0)
+    pages_read = np.minimum((total + page_size - 1) // page_size, columns)
+    used = np.arange(columns)[None, :] < pages_read[:, None]
+    pages = table[used]
+    if pages.size < 2:
+        return
+    shared = _appears_again(pages)
+    if shared is None:
+        return  # every page in use by one request once: the common case, one count
+    low = int(pages.min())
+    column_index = np.arange(columns)[None, :]
+
+    def keys_of(row: int, column: int, first: int = 0) -> str:
+        start = max(column * page_size, first)
+        return f"[{start}, {min(int(total[row]), (column + 1) * page_size)})"
+
+    # Each row's pages sorted (columns it does not use turned into distinct values below every page): equal
+    # neighbours are a request using a page twice. Row by row is ~5x faster than sorting (request, page) pairs.
+    ordered = np.sort(np.where(used, table, low - 1 - column_index), axis=1)
+    twice = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if twice.size:
+        b = int(twice[0])
+        sorted_row = ordered[b]
+        page = int(sorted_row[1:][sorted_row[1:] == sorted_row[:-1]][0])
+        first, second = (int(c) for c in np.flatnonzero(table[b, :pages_read[b]] == page)[:2])
+        raise IndexerInputError(
+            f"{name} row {b} (request {b}) uses cache page {page} twice (columns {first} and {second}, its {unit} "
+            f"{keys_of(b, first)} and {keys_of(b, second)}): each page of a request must be a distinct cache page, or "
+            f"its later {unit} overwrite the earlier ones and a reader sees one key at two positions; give the "
+            "request distinct pages")
+    if cached_keys is None:
+        return
+    cached = cached_keys.detach().to("cpu", torch.int64).numpy().clip(min=0)
+    # A shared page is used by other requests too (no request uses a page twice, as checked): written, it conflicts.
+    written = (used & (column_index >= (cached // page_size)[:, None]) & (total > cached)[:, None])[used]
+    conflicts = np.flatnonzero(written & shared)
+    if not conflicts.size:
+        return  # every shared page holds cached keys only: a shared prefix
+    row_of, column_of = np.nonzero(used)  # row-major, as ``pages``
+    i = int(conflicts[0])
+    page, writer, column = int(pages[i]), int(row_of[i]), int(column_of[i])
+    j = int(np.flatnonzero((pages == page) & (row_of != writer))[0])
+    other, other_column = int(row_of[j]), int(column_of[j])
+    how = "and by" if written[j] else "and read by"
+    raise IndexerInputError(
+        f"{name}: cache page {page} is written in this step by request {writer} (row {writer}, column {column}: its "
+        f"new {unit} {keys_of(writer, column, int(cached[writer]))}) {how} request {other} (row {other}, column "
+        f"{other_column}): a page a request writes must be its own in that step, or one request overwrites the "
+        f"{unit} of the other; give each request its own pages for its new {unit} (requests may share only pages of "
+        "cached keys that no request writes in the step, e.g. a common prefix)")
 
 
 def in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:

@@ -77,7 +77,7 @@ def test_prefill_chunk_plan_is_vectorized_bounded_and_shared(ratio):
     prefix = torch.randint(0, 3000, (5,), generator=gen).tolist()
     extend = torch.randint(1, 1500, (5,), generator=gen).tolist()
     pages = [-(-((p + e) // ratio) // 64) for p, e in zip(prefix, extend)]
-    table = torch.zeros(5, max(pages), dtype=torch.int32)
+    table = torch.arange(5 * max(pages), dtype=torch.int32).view(5, -1)  # pages of their own (issue 34, item 2)
     batch = PrefillBatch.build(prefix, extend, table, compress_ratio=ratio)
     for budget in (4 << 10, 1 << 20, 64 << 20):
         plan = batch.plan_chunks(budget)

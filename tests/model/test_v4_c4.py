@@ -204,7 +204,7 @@ def test_c4_forward_needs_a_compressor_state():
         db2 = DecodeBatch.build([12], [[0]], compress_ratio=4, state_slots=[1])
         indexer(x, x, db2.positions, db2, IndexKCache.allocate(1), compressor_state=CompressorState.allocate(1, V4_TINY))
     with pytest.raises(IndexerInputError, match="state_slots must be distinct"):
-        DecodeBatch.build([12, 13], [[0], [0]], compress_ratio=4, state_slots=[0, 0])
+        DecodeBatch.build([12, 13], [[0], [1]], compress_ratio=4, state_slots=[0, 0])
 
 
 def _bf16(shape, gen, std=1.0):
