@@ -111,6 +111,7 @@ def cmd_info(args) -> int:
         report = {"dsa_indexer": __version__, "target": str(target), "simulated_target": simulated,
                   "environment": (env or registry.environment).name, "strict": strict, "versions": package_versions(),
                   "plugins_loaded": list(registry.plugins_loaded), "plugins_failed": list(registry.plugins_failed),
+                  "implementations_failed": registry.failed_implementations(),
                   "forced": registry.forced(), "resolutions": [res.to_dict() for res in rows]}
         _write_json(report, args.json)
         return 0
@@ -127,6 +128,8 @@ def cmd_info(args) -> int:
             print(line)
     print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
     print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
+    failed = registry.failed_implementations()
+    print(f"implementations failed: {'; '.join(f'{i}: {why}' for i, why in sorted(failed.items())) or '-'}")
     forced = registry.forced()
     print(f"forced: {', '.join(f'{op}={impl}' for op, impl in sorted(forced.items())) or '-'}")
     print(f"strict mode: {'on (DSA_INDEXER_STRICT): a reference fallback below raises' if strict else 'off'}")
