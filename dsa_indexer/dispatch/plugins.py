@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from ..envflags import env_flag
+from ..envflags import check_environment, env_flag
 from . import discovery
 from .registry import Registry
 
@@ -129,11 +129,15 @@ _default_lock = threading.Lock()
 
 
 def default_registry() -> Registry:
-    """The process-wide registry, with every plugin loaded on first use."""
+    """The process-wide registry, with every plugin loaded on first use (after the environment variables are
+    checked: a bad value raises here, naming the variable)."""
     global _default
     if _default is None:
         with _default_lock:
             if _default is None:
+                # The library's first read of its environment: every DSA_INDEXER_* value is checked now, also those
+                # that this device's code paths never read (envflags.check_environment).
+                check_environment()
                 registry = Registry()
                 load_plugins(registry)
                 _default = registry

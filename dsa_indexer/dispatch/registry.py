@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..envflags import env_flag
+from ..envflags import env_flag, parse_assignments
 from .capabilities import Capabilities
 from .environment import Environment
 from .problem import Problem
@@ -160,17 +160,8 @@ def _from(impl: Implementation) -> str:
 
 
 def parse_force(text: str | None) -> dict[str, str]:
-    """``"op=impl,op2=impl2"`` -> ``{op: impl}``; a malformed entry is an error naming it."""
-    forced: dict[str, str] = {}
-    for entry in (text or "").split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        op, sep, impl_id = entry.partition("=")
-        if not sep or not op.strip() or not impl_id.strip():
-            raise ValueError(f"{FORCE_ENV} entry {entry!r} must read 'op=impl_id'")
-        forced[op.strip()] = impl_id.strip()
-    return forced
+    """``"op=impl,op2=impl2"`` -> ``{op: impl}``; a malformed entry, or an op named twice, is an error naming it."""
+    return parse_assignments(FORCE_ENV, text)
 
 
 @dataclass
@@ -282,12 +273,33 @@ class Registry:
         if op in self._overrides.forced:
             return self._overrides.forced[op]
         forced = parse_force(os.environ.get(FORCE_ENV))
-        unknown = sorted(set(forced) - set(self.ops()))
-        if unknown and ("force", tuple(unknown)) not in self._warned:
-            self._warned.add(("force", tuple(unknown)))
-            warnings.warn(f"dsa_indexer: {FORCE_ENV} names unknown op(s) {', '.join(unknown)}; ops: "
-                          f"{', '.join(self.ops())}", RuntimeWarning, stacklevel=3)
+        problems = tuple(why for other, why in self.forced_problems(forced).items() if other != op)
+        if problems and ("force", problems) not in self._warned:
+            # The op being resolved raises below when its entry names nothing registered; every other entry that
+            # cannot be honoured is said once, whether or not its op is ever reached.
+            self._warned.add(("force", problems))
+            warnings.warn(f"dsa_indexer: {FORCE_ENV} names {'; and '.join(problems)}", RuntimeWarning, stacklevel=3)
         return forced.get(op)
+
+    def forced_problems(self, forced: Mapping[str, str] | None = None) -> dict[str, str]:
+        """op -> what is wrong with its entry in ``forced`` (default: ``DSA_INDEXER_FORCE``), for each entry that
+        names an unknown op or an implementation not registered for its op, with what is registered."""
+        forced = parse_force(os.environ.get(FORCE_ENV)) if forced is None else forced
+        problems = {}
+        for op, impl_id in forced.items():
+            if op not in self._impls:
+                problems[op] = f"unknown op {op!r} (in {op}={impl_id}); ops: {', '.join(self.ops())}"
+            elif impl_id not in self._impls[op]:
+                problems[op] = (f"{impl_id!r} for {op!r}, which is not registered; registered: "
+                                f"{', '.join(sorted(self._impls[op]))}")
+        return problems
+
+    def check_forced(self) -> None:
+        """Raise naming every ``DSA_INDEXER_FORCE`` entry that cannot be honoured (`dsa-indexer run` and `bench`
+        check before any work: an entry for an op the run never reaches would otherwise go unnoticed)."""
+        problems = self.forced_problems()
+        if problems:
+            raise ValueError(f"{FORCE_ENV} names {'; and '.join(problems.values())}")
 
     def forced(self) -> dict[str, str]:
         """Every forced op -> implementation: Registry.force, then DSA_INDEXER_FORCE (what `dsa-indexer info` shows)."""
