@@ -107,6 +107,7 @@ def cmd_info(args) -> int:
         report = {"dsa_indexer": __version__, "target": str(target), "simulated_target": simulated,
                   "environment": (env or registry.environment).name, "strict": strict, "versions": package_versions(),
                   "plugins_loaded": list(registry.plugins_loaded), "plugins_failed": list(registry.plugins_failed),
+                  "plugins_warned": list(registry.plugins_warned),
                   "implementations_failed": registry.failed_implementations(),
                   "forced": registry.forced(), "resolutions": [res.to_dict() for res in rows]}
         _write_json(report, args.json)
@@ -124,6 +125,8 @@ def cmd_info(args) -> int:
             print(line)
     print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
     print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
+    if registry.plugins_warned:
+        print(f"plugins warned: {'; '.join(registry.plugins_warned)}")
     failed = registry.failed_implementations()
     print(f"implementations failed: {'; '.join(f'{i}: {why}' for i, why in sorted(failed.items())) or '-'}")
     forced = registry.forced()
@@ -253,8 +256,8 @@ def _fact_words() -> dict[str, tuple[str, ...]]:
     from .contract.specs import FP8_NAMES
     from .ops import KEY_FORMATS, NORMS
 
-    return {"fp8": tuple(sorted(set(FP8_NAMES.values()))), "norm": NORMS, "format": KEY_FORMATS, "scale_fmt": SCALE_FMTS,
-            "keys": ("fp8", "fp4")}
+    return {"fp8": tuple(sorted(set(FP8_NAMES.values()))), "norm": NORMS, "format": KEY_FORMATS,
+            "scale_fmt": SCALE_FMTS, "keys": ("fp8", "fp4")}
 
 
 def _problem_fact(text: str) -> tuple[str, object]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..envflags import env_flag, parse_assignments
+from . import results
 from .capabilities import Capabilities
 from .environment import Environment
 from .problem import Problem
@@ -187,6 +188,8 @@ class Registry:
         self.plugins_loaded: list[str] = []
         self.used: dict[tuple, Resolution] = {}  # every (op, target, problem) resolved for a call so far
         self.plugins_failed: list[str] = []
+        self.plugins_warned: list[str] = []  # loaded, but with a registration that can never serve (an unparsed arch)
+        self.builtin_origins: set[str] = set()  # the built-in backends' plugin names: their results are not wrapped
         # Bumped whenever cached functions are dropped: a holder of resolved functions (the Indexer's step plans)
         # compares it to know its functions are still what resolution would choose.
         self.generation = 0
@@ -468,7 +471,8 @@ class Registry:
     def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
         """The callable that runs ``op`` for (target, problem); cached. A factory that fails (its vendor import is
         missing, say) or returns no callable marks that implementation rejected with the reason, warns once, and
-        resolution moves on."""
+        resolution moves on. An implementation that is not built in has its results' metadata checked
+        (`dispatch.results`)."""
         key = (op, target, problem)
         fn = self._fn_cache.get(key)
         if fn is not None:
@@ -484,6 +488,8 @@ class Registry:
                 warnings.warn(f"dsa_indexer: {res.chosen.impl_id} could not be built, falling back ({reason})",
                               RuntimeWarning, stacklevel=2)
                 continue
+            if res.chosen.origin not in self.builtin_origins:
+                fn = results.checked(fn, res.chosen)  # metadata only: a plugin's wrong dtype or shape raises here
             if res.chosen.takes_target:
                 fn = functools.partial(fn, target=target)
             self.used[key] = res

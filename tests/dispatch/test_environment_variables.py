@@ -37,7 +37,8 @@ def test_good_values_pass_and_the_gemm_sm_limit_parses_its_words():
     envflags.check_environment({"DSA_INDEXER_CHECK_RANGES": "On", "DSA_INDEXER_DUAL_STREAM_GEMM_SMS": "half",
                        "DSA_INDEXER_DUAL_STREAM_MAX_TOKENS": "512", "DSA_INDEXER_FORCE": "a=x, a=x",
                        "DSA_INDEXER_CACHE_DIR": "/tmp/anything"})
-    assert [envflags.parse_sm_limit("V", raw) for raw in ("", "off", "0", "half", "66")] == [None, None, None, "half", 66]
+    parsed = [envflags.parse_sm_limit("V", raw) for raw in ("", "off", "0", "half", "66")]
+    assert parsed == [None, None, None, "half", 66]
 
 
 def test_every_bad_value_is_named_at_once():
