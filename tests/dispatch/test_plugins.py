@@ -236,6 +236,19 @@ def test_a_factory_returning_a_non_callable_is_rejected_with_what_it_returned():
     assert reg.failed_implementations() == {"topk_indices.strvendor.kernel": "factory returned a str, not a callable"}
 
 
+def test_info_and_explain_build_the_factory_and_show_a_none_factory_rejected():
+    """`resolve_runnable` (what `dsa-indexer info` / `explain` report) builds the chosen factory as a call would: a
+    None factory is shown rejected, not as the choice (in the detected environment: a simulated one builds nothing)."""
+    reg = Registry()
+    load_plugins(reg, entry_points=False)
+    reg.implementation("topk_indices", impl_id="topk_indices.nonevendor.kernel", targets=("cpu",), priority=150)(
+        lambda: None)
+    res = reg.resolve_runnable("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    assert res.chosen.impl_id == "topk_indices.reference.torch"
+    assert {c.impl.impl_id: c.reason for c in res.candidates}["topk_indices.nonevendor.kernel"] == \
+        "factory returned None"
+
+
 def _raising_check_plugin(monkeypatch, check: str):
     plugin = types.ModuleType("dsa_test_raising_check_plugin")
 
