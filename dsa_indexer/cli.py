@@ -59,17 +59,13 @@ def _problem_for(op: str, target, overrides: dict) -> Problem:
     return ops.problem(op, **facts) if op in ops.PROBLEM_KEYS else Problem(**facts)
 
 
-def _parse_facts(items: Sequence[str]) -> dict:
-    facts = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--problem entries must read key=value, got {item!r}")
-        low = value.lower()
-        parsed = True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() else value
-        if key in INT_FACTS and not isinstance(parsed, int):
-            raise SystemExit(f"--problem {key} must be an integer, got {value!r}")
-        facts[key] = parsed
+def _parse_facts(items: Sequence[tuple[str, object]]) -> dict:
+    """The ``--problem`` facts (each parsed by `_problem_fact`); a fact given twice with two values is an error."""
+    facts: dict = {}
+    for key, value in items:
+        if key in facts and facts[key] != value:
+            raise ValueError(f"--problem names {key} twice ({facts[key]} and {value}); give each fact once")
+        facts[key] = value
     return facts
 
 
@@ -111,6 +107,8 @@ def cmd_info(args) -> int:
         report = {"dsa_indexer": __version__, "target": str(target), "simulated_target": simulated,
                   "environment": (env or registry.environment).name, "strict": strict, "versions": package_versions(),
                   "plugins_loaded": list(registry.plugins_loaded), "plugins_failed": list(registry.plugins_failed),
+                  "plugins_warned": list(registry.plugins_warned),
+                  "implementations_failed": registry.failed_implementations(),
                   "forced": registry.forced(), "resolutions": [res.to_dict() for res in rows]}
         _write_json(report, args.json)
         return 0
@@ -127,6 +125,10 @@ def cmd_info(args) -> int:
             print(line)
     print(f"plugins loaded: {', '.join(registry.plugins_loaded) or '-'}")
     print(f"plugins failed: {'; '.join(registry.plugins_failed) or '-'}")
+    if registry.plugins_warned:
+        print(f"plugins warned: {'; '.join(registry.plugins_warned)}")
+    failed = registry.failed_implementations()
+    print(f"implementations failed: {'; '.join(f'{i}: {why}' for i, why in sorted(failed.items())) or '-'}")
     forced = registry.forced()
     print(f"forced: {', '.join(f'{op}={impl}' for op, impl in sorted(forced.items())) or '-'}")
     print(f"strict mode: {'on (DSA_INDEXER_STRICT): a reference fallback below raises' if strict else 'off'}")
@@ -157,7 +159,7 @@ def known_facts(registry) -> list[str]:
     return sorted(set(default_probes()) | registry.required_facts())
 
 
-def _environment(assume: Sequence[str], registry=None):
+def _environment(assume: Sequence[tuple[str, bool]], registry=None):
     """None (the detected environment) or a simulated one from ``--assume gpu=yes triton=yes deep_gemm=no``."""
     if not assume:
         return None
@@ -165,13 +167,10 @@ def _environment(assume: Sequence[str], registry=None):
 
     facts = {}
     known = known_facts(registry or default_registry())
-    for item in assume:
-        fact, sep, value = item.partition("=")
-        if not sep or value.lower() not in ("yes", "no", "1", "0", "true", "false", "on", "off"):
-            raise SystemExit(f"--assume entries must read fact=yes|no, got {item!r}")
+    for fact, present in assume:
         if fact not in known:
-            raise SystemExit(f"--assume: unknown fact {fact!r}; known facts: {', '.join(known)}")
-        facts[fact] = value.lower() in ("yes", "1", "true", "on")
+            raise ValueError(f"--assume: unknown fact {fact!r}; known facts: {', '.join(known)}")
+        facts[fact] = present
     return Environment.simulated(**facts)
 
 
@@ -218,6 +217,8 @@ class _Progress:
 def cmd_run(args) -> int:
     from .runner import RunSettings, run_main_job
 
+    default_registry().check_forced()  # an entry for an op this run never reaches is still a mistake: say it now
+
     settings = RunSettings(model=args.model, device=args.device, batch=args.batch, context=args.context,
                            steps=args.steps, prefill_tokens=args.prefill_tokens, next_n=args.next_n, seed=args.seed,
                            verify=not args.no_verify, warmup=False if args.no_warmup else None,
@@ -241,7 +242,56 @@ def cmd_run(args) -> int:
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR, EXIT_USAGE = 0, 1, 2, 2  # argparse's usage errors exit 2 too
 SUITE_CHOICES = ("decode", "topk", "prefill", "ops")  # dsa_indexer.bench.SUITES
-INT_FACTS = {"heads", "dim", "next_n", "k", "group_size", "width", "rope_dim", "n", "window", "tokens"}
+# Problem facts by kind (contract.specs.DECLARED's facts, and the pipeline's): sizes are positive integers.
+INT_FACTS = {"heads", "dim", "next_n", "k", "group_size", "width", "rope_dim", "n", "window", "tokens", "block",
+             "ratio", "hidden", "compress_ratio"}
+BOOL_FACTS = {"interleaved", "ue8m0", "slots", "starts", "decode", "q_lora_quant"}
+ASSUME_WORDS = {"yes": True, "1": True, "true": True, "on": True, "no": False, "0": False, "false": False,
+                "off": False}
+
+
+def _fact_words() -> dict[str, tuple[str, ...]]:
+    """The facts that take one of a few words, with those words (the library's own tables)."""
+    from .config import SCALE_FMTS
+    from .contract.specs import FP8_NAMES
+    from .ops import KEY_FORMATS, NORMS
+
+    return {"fp8": tuple(sorted(set(FP8_NAMES.values()))), "norm": NORMS, "format": KEY_FORMATS,
+            "scale_fmt": SCALE_FMTS, "keys": ("fp8", "fp4")}
+
+
+def _problem_fact(text: str) -> tuple[str, object]:
+    """``--problem KEY=VALUE``, checked by the fact's kind before any work: sizes positive integers, flags true or
+    false, the worded facts one of their words; other keys keep their text (ops.problem names unknown ones)."""
+    key, sep, value = text.partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE such as heads=32, got {text!r}")
+    low = value.lower()
+    if key in INT_FACTS:
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"{key} must be a positive integer, got {value!r}")
+        return key, int(value)
+    if key in BOOL_FACTS:
+        if low not in ("true", "false"):
+            raise argparse.ArgumentTypeError(f"{key} must be true or false, got {value!r}")
+        return key, low == "true"
+    words = _fact_words().get(key)
+    if words is not None:
+        if value not in words:
+            raise argparse.ArgumentTypeError(f"{key} must be one of {', '.join(words)}, got {value!r}")
+        return key, value
+    return key, True if low == "true" else False if low == "false" else int(value) if value.lstrip("-").isdigit() \
+        else value
+
+
+def _assumed_fact(text: str) -> tuple[str, bool]:
+    """``--assume FACT=yes|no``: the form is checked here (exit 2); the fact's name against the registry later."""
+    fact, sep, value = text.partition("=")
+    if not sep or not fact.strip() or value.strip().lower() not in ASSUME_WORDS:
+        raise argparse.ArgumentTypeError(f"entries must read FACT=yes|no (also 1/0, true/false, on/off), got "
+                                         f"{text!r}")
+    return fact.strip(), ASSUME_WORDS[value.strip().lower()]
 
 
 def _positive_int(text: str) -> int:
@@ -371,6 +421,8 @@ def cmd_bench(args) -> int:
 
     from . import bench
 
+    if not args.from_json:
+        default_registry().check_forced()  # the forced op may be one no suite reaches: say it before measuring
     device = torch.device(args.device) if args.device else None
     if device is not None and device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch sees no CUDA/ROCm GPU")
@@ -415,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "deep_gemm, cuda_jit, flashinfer, aiter, torch_npu (facts not named are absent); `dsa-indexer "
                    "explain all --assume` lists none unknown")
     info.add_argument("--target", help=f"simulate a target ({known})")
-    info.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no", help=assume_help)
+    info.add_argument("--assume", nargs="*", type=_assumed_fact, default=[], metavar="FACT=yes|no",
+                      help=assume_help)
     info.add_argument("--json", type=_writable_json_path, metavar="FILE",
                       help="write the report as JSON to FILE ('-': stdout) instead of the text")
     info.set_defaults(func=cmd_info)
@@ -423,9 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="the full resolution trace of an op ('all' for every op)")
     explain.add_argument("op", help="op name, e.g. paged_mqa_logits, or 'all'")
     explain.add_argument("--target", help=f"simulate a target ({known})")
-    explain.add_argument("--problem", nargs="*", default=[], metavar="KEY=VALUE",
+    explain.add_argument("--problem", nargs="*", type=_problem_fact, default=[], metavar="KEY=VALUE",
                          help="problem facts, e.g. heads=32 next_n=2 (defaults: the V3.2 decode shape)")
-    explain.add_argument("--assume", nargs="*", default=[], metavar="FACT=yes|no", help=assume_help)
+    explain.add_argument("--assume", nargs="*", type=_assumed_fact, default=[], metavar="FACT=yes|no",
+                         help=assume_help)
     explain.add_argument("--json", type=_writable_json_path, metavar="FILE",
                          help="write the traces as JSON to FILE ('-': stdout) instead of the text")
     explain.set_defaults(func=cmd_explain)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from typing import Any
 
 import pluggy
 
-from ..envflags import env_flag
+from ..envflags import check_environment, env_flag
 from . import discovery
+from .platform import platforms, vendors
 from .registry import Registry
 
 PROJECT = "dsa_indexer"
@@ -56,7 +58,42 @@ def _contained(exc: BaseException) -> bool:
     return not isinstance(exc, KeyboardInterrupt)
 
 
-def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, plugin: Any) -> None:
+def _arch_problem(name: str) -> str | None:
+    """Why a registration's target ``name`` can never match a target, as the end of "which ..." (None: it can): no
+    platform parses it, or a platform reads it as another arch (the registry compares the arch exactly)."""
+    if name == "*" or name in vendors():
+        return None
+    for platform in platforms():
+        try:
+            target = platform.parse(name)
+        except Exception:  # noqa: BLE001 - a third-party platform's parser must not fail the plugin's load
+            continue
+        if target is not None:
+            return None if target.arch == name else f"the {platform.vendor} platform reads as {target.arch}"
+    return "no platform parses"
+
+
+def _warn_unserved_archs(registry: Registry, name: str, impl_ids: set[str]) -> None:
+    """One warning per (plugin, arch) whose implementations can never be chosen: a typo (``sm9O``) would otherwise
+    load without a word and never run. Also kept in ``registry.plugins_warned`` (`dsa-indexer info`)."""
+    unserved: dict[str, list[str]] = {}
+    for op in registry.ops():
+        for impl in registry.implementations(op):
+            if impl.impl_id in impl_ids:
+                for arch in impl.targets:
+                    if _arch_problem(arch) is not None:
+                        unserved.setdefault(arch, []).append(impl.impl_id)
+    for arch, ids in sorted(unserved.items()):
+        examples = ", ".join(p.archs[0] for p in platforms() if p.archs)
+        note = (f"{name}: registers {', '.join(sorted(ids))} for target {arch!r}, which {_arch_problem(arch)}, so "
+                f"{'it never serves' if len(ids) == 1 else 'they never serve'} (a target is an arch such as "
+                f"{examples}, a vendor: {', '.join(vendors())}, or '*')")
+        registry.plugins_warned.append(note)
+        warnings.warn(f"dsa_indexer: plugin {note}", RuntimeWarning, stacklevel=2)
+
+
+def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, plugin: Any,
+                  builtin: bool = False) -> None:
     before = registry.snapshot_ids()
     try:
         manager.register(plugin, name=name)
@@ -87,6 +124,9 @@ def _register_one(registry: Registry, manager: pluggy.PluginManager, name: str, 
         return
     registry.adopt(added, origin=name)
     registry.plugins_loaded.append(name)
+    if builtin:
+        registry.builtin_origins.add(name)
+    _warn_unserved_archs(registry, name, added)
 
 
 def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
@@ -116,7 +156,7 @@ def load_plugins(registry: Registry, *, builtins: tuple[str, ...] | None = None,
             where = entry.value if entry.builtin else f"{entry.name} ({entry.value})"
             registry.plugins_failed.append(f"{where}: import failed: {type(exc).__name__}: {exc}")
             continue
-        _register_one(registry, manager, entry.name, plugin)
+        _register_one(registry, manager, entry.name, plugin, builtin=entry.builtin)
     if entry_points:
         for name in sorted(allowed - seen):
             registry.plugins_failed.append(f"{name}: named in {ALLOW_ENV} but no such entry point is installed "
@@ -129,11 +169,15 @@ _default_lock = threading.Lock()
 
 
 def default_registry() -> Registry:
-    """The process-wide registry, with every plugin loaded on first use."""
+    """The process-wide registry, with every plugin loaded on first use (after the environment variables are
+    checked: a bad value raises here, naming the variable)."""
     global _default
     if _default is None:
         with _default_lock:
             if _default is None:
+                # The library's first read of its environment: every DSA_INDEXER_* value is checked now, also those
+                # that this device's code paths never read (envflags.check_environment).
+                check_environment()
                 registry = Registry()
                 load_plugins(registry)
                 _default = registry

@@ -21,7 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..envflags import env_flag
+from ..envflags import env_flag, parse_assignments
+from . import results
 from .capabilities import Capabilities
 from .environment import Environment
 from .problem import Problem
@@ -139,6 +140,10 @@ class Resolution:
         return "\n".join(lines)
 
 
+class FactoryResultError(RuntimeError):
+    """An implementation's factory returned something that cannot be called (None, say): it is rejected."""
+
+
 class NoImplementationError(RuntimeError):
     """No registered implementation can run this op here; the message holds the whole trace."""
 
@@ -151,18 +156,13 @@ class NoImplementationError(RuntimeError):
         super().__init__(f"{why}\n{resolution.explain()}\n" + "; ".join(hints) + ".")
 
 
+def _from(impl: Implementation) -> str:
+    return "" if impl.origin == "?" else f" (plugin {impl.origin})"
+
+
 def parse_force(text: str | None) -> dict[str, str]:
-    """``"op=impl,op2=impl2"`` -> ``{op: impl}``; a malformed entry is an error naming it."""
-    forced: dict[str, str] = {}
-    for entry in (text or "").split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        op, sep, impl_id = entry.partition("=")
-        if not sep or not op.strip() or not impl_id.strip():
-            raise ValueError(f"{FORCE_ENV} entry {entry!r} must read 'op=impl_id'")
-        forced[op.strip()] = impl_id.strip()
-    return forced
+    """``"op=impl,op2=impl2"`` -> ``{op: impl}``; a malformed entry, or an op named twice, is an error naming it."""
+    return parse_assignments(FORCE_ENV, text)
 
 
 @dataclass
@@ -181,12 +181,15 @@ class Registry:
         self._resolution_cache: dict[tuple, Resolution] = {}
         self._factories: dict[str, Callable[..., Any]] = {}
         self._broken: dict[str, str] = {}  # impl_id -> why its factory failed (it is then rejected)
+        self._check_failures: dict[str, str] = {}  # impl_id -> how its available / supports check broke
         self._warned: set[tuple] = set()
         self._overrides = _Overrides()
         self.environment = environment or Environment()
         self.plugins_loaded: list[str] = []
         self.used: dict[tuple, Resolution] = {}  # every (op, target, problem) resolved for a call so far
         self.plugins_failed: list[str] = []
+        self.plugins_warned: list[str] = []  # loaded, but with a registration that can never serve (an unparsed arch)
+        self.builtin_origins: set[str] = set()  # the built-in backends' plugin names: their results are not wrapped
         # Bumped whenever cached functions are dropped: a holder of resolved functions (the Indexer's step plans)
         # compares it to know its functions are still what resolution would choose.
         self.generation = 0
@@ -273,12 +276,33 @@ class Registry:
         if op in self._overrides.forced:
             return self._overrides.forced[op]
         forced = parse_force(os.environ.get(FORCE_ENV))
-        unknown = sorted(set(forced) - set(self.ops()))
-        if unknown and ("force", tuple(unknown)) not in self._warned:
-            self._warned.add(("force", tuple(unknown)))
-            warnings.warn(f"dsa_indexer: {FORCE_ENV} names unknown op(s) {', '.join(unknown)}; ops: "
-                          f"{', '.join(self.ops())}", RuntimeWarning, stacklevel=3)
+        problems = tuple(why for other, why in self.forced_problems(forced).items() if other != op)
+        if problems and ("force", problems) not in self._warned:
+            # The op being resolved raises below when its entry names nothing registered; every other entry that
+            # cannot be honoured is said once, whether or not its op is ever reached.
+            self._warned.add(("force", problems))
+            warnings.warn(f"dsa_indexer: {FORCE_ENV} names {'; and '.join(problems)}", RuntimeWarning, stacklevel=3)
         return forced.get(op)
+
+    def forced_problems(self, forced: Mapping[str, str] | None = None) -> dict[str, str]:
+        """op -> what is wrong with its entry in ``forced`` (default: ``DSA_INDEXER_FORCE``), for each entry that
+        names an unknown op or an implementation not registered for its op, with what is registered."""
+        forced = parse_force(os.environ.get(FORCE_ENV)) if forced is None else forced
+        problems = {}
+        for op, impl_id in forced.items():
+            if op not in self._impls:
+                problems[op] = f"unknown op {op!r} (in {op}={impl_id}); ops: {', '.join(self.ops())}"
+            elif impl_id not in self._impls[op]:
+                problems[op] = (f"{impl_id!r} for {op!r}, which is not registered; registered: "
+                                f"{', '.join(sorted(self._impls[op]))}")
+        return problems
+
+    def check_forced(self) -> None:
+        """Raise naming every ``DSA_INDEXER_FORCE`` entry that cannot be honoured (`dsa-indexer run` and `bench`
+        check before any work: an entry for an op the run never reaches would otherwise go unnoticed)."""
+        problems = self.forced_problems()
+        if problems:
+            raise ValueError(f"{FORCE_ENV} names {'; and '.join(problems.values())}")
 
     def forced(self) -> dict[str, str]:
         """Every forced op -> implementation: Registry.force, then DSA_INDEXER_FORCE (what `dsa-indexer info` shows)."""
@@ -315,6 +339,7 @@ class Registry:
         reload_environment()
         with self._lock:
             self._broken.clear()
+            self._check_failures.clear()
             self._invalidate()
 
     # --- resolution ---------------------------------------------------------------------------
@@ -364,15 +389,14 @@ class Registry:
                 return res
             try:
                 self._factory_result(res.chosen)
-            except Exception as exc:  # noqa: BLE001 - recorded as the implementation's reason, as in function()
-                with self._lock:
-                    self._broken[res.chosen.impl_id] = f"factory failed: {type(exc).__name__}: {exc}"
-                    self._invalidate()
+            except BaseException as exc:  # noqa: BLE001 - recorded as the implementation's reason, as in function()
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                self._mark_broken(res.chosen, exc)
                 continue
             return res
 
-    @staticmethod
-    def _verdict(impl: Implementation, target: Target, problem: Problem, env: Environment,
+    def _verdict(self, impl: Implementation, target: Target, problem: Problem, env: Environment,
                  forced: str | None) -> str | None:
         if forced is not None and impl.impl_id != forced:
             return f"not the forced implementation ({forced})"
@@ -383,17 +407,47 @@ class Registry:
             if missing is not None:
                 return missing
         if impl.available is not None:
-            reason = impl.available(target, env)
-            if reason is not None:
-                return reason
-        reasons = impl.capabilities.reasons(problem, target) if impl.capabilities is not None else []
+            reasons = self._ask(impl, "available", impl.available, target, env)
+            if reasons:
+                return "; ".join(reasons)
+        reasons = (self._ask(impl, "capabilities", impl.capabilities.reasons, problem, target)
+                   if impl.capabilities is not None else [])
         if impl.supports is not None:
-            reason = impl.supports(problem, target)
-            if isinstance(reason, (list, tuple)):  # a check may report every failing fact at once
-                reasons += [r for r in reason if r not in reasons]
-            elif reason is not None and reason not in reasons:
-                reasons.append(reason)
+            reasons += [r for r in self._ask(impl, "supports", impl.supports, problem, target) if r not in reasons]
         return "; ".join(reasons) or None
+
+    def _ask(self, impl: Implementation, name: str, check: Callable[..., Any], *args: Any) -> list[str]:
+        """One of an implementation's checks, as reasons (empty: yes). A check that raises, or answers something
+        that is neither None nor reason text, rejects the implementation with that as its reason and warns once:
+        a plugin's broken check must not take every call of the op (or `dsa-indexer info`) down with it."""
+        try:
+            answer = check(*args)
+        except BaseException as exc:  # noqa: BLE001 - as a plugin's import: contained, but never a user's Ctrl-C
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return [self._check_failed(impl, f"{name} check raised {type(exc).__name__}: {exc}")]
+        if answer is None:
+            return []
+        if isinstance(answer, str):
+            return [answer]
+        if isinstance(answer, (list, tuple)) and all(isinstance(r, str) for r in answer):
+            return list(answer)
+        return [self._check_failed(impl, f"{name} check returned {answer!r}; a check returns None (yes) or the "
+                                         f"reason it says no (a str, or a list of them)")]
+
+    def _check_failed(self, impl: Implementation, reason: str) -> str:
+        with self._lock:
+            first = impl.impl_id not in self._check_failures
+            self._check_failures[impl.impl_id] = reason
+        if first:
+            warnings.warn(f"dsa_indexer: {impl.impl_id}{_from(impl)} is rejected: its {reason}",
+                          RuntimeWarning, stacklevel=4)
+        return reason
+
+    def failed_implementations(self) -> dict[str, str]:
+        """impl_id -> why it can never be chosen as registered: its factory failed or returned no callable, or one
+        of its checks raised (`dsa-indexer info` lists them; explain shows each as that candidate's reason)."""
+        return {**self._check_failures, **self._broken}
 
     def choose(self, op: str, target: Target, problem: Problem | None = None) -> Resolution:
         """`resolve`, then apply strict mode and the fallback warning; raise when nothing can run."""
@@ -416,26 +470,39 @@ class Registry:
 
     def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
         """The callable that runs ``op`` for (target, problem); cached. A factory that fails (its vendor import is
-        missing, say) marks that implementation rejected with the reason, warns once, and resolution moves on."""
+        missing, say) or returns no callable marks that implementation rejected with the reason, warns once, and
+        resolution moves on. An implementation that is not built in has its results' metadata checked
+        (`dispatch.results`)."""
         key = (op, target, problem)
         fn = self._fn_cache.get(key)
-        while fn is None:
+        if fn is not None:
+            return fn
+        while True:  # every pass returns or marks one more implementation broken, so it ends
             res = self.choose(op, target, problem)
             try:
                 fn = self._factory_result(res.chosen)
-            except Exception as exc:  # noqa: BLE001 - a broken implementation must not take the caller down
-                reason = f"factory failed: {type(exc).__name__}: {exc}"
-                with self._lock:
-                    self._broken[res.chosen.impl_id] = reason
-                    self._invalidate()
+            except BaseException as exc:  # noqa: BLE001 - a broken implementation must not take the caller down
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
+                reason = self._mark_broken(res.chosen, exc)
                 warnings.warn(f"dsa_indexer: {res.chosen.impl_id} could not be built, falling back ({reason})",
                               RuntimeWarning, stacklevel=2)
                 continue
+            if res.chosen.origin not in self.builtin_origins:
+                fn = results.checked(fn, res.chosen)  # metadata only: a plugin's wrong dtype or shape raises here
             if res.chosen.takes_target:
                 fn = functools.partial(fn, target=target)
             self.used[key] = res
             self._fn_cache[key] = fn
-        return fn
+            return fn
+
+    def _mark_broken(self, impl: Implementation, exc: BaseException) -> str:
+        """Reject ``impl`` from now on (until `clear_cache`) with why building it failed; -> that reason."""
+        reason = str(exc) if isinstance(exc, FactoryResultError) else f"factory failed: {type(exc).__name__}: {exc}"
+        with self._lock:
+            self._broken[impl.impl_id] = reason
+            self._invalidate()
+        return reason
 
     def _factory_result(self, impl: Implementation) -> Callable[..., Any]:
         fn = self._factories.get(impl.impl_id)
@@ -444,6 +511,10 @@ class Registry:
                 fn = self._factories.get(impl.impl_id)
                 if fn is None:
                     fn = impl.factory()
+                    if fn is None:
+                        raise FactoryResultError("factory returned None")
+                    if not callable(fn):
+                        raise FactoryResultError(f"factory returned a {type(fn).__name__}, not a callable")
                     self._factories[impl.impl_id] = fn
         return fn
 

@@ -176,3 +176,136 @@ def test_a_plugin_registering_an_unknown_op_is_reported_not_loaded(monkeypatch):
     assert "typo" not in reg.plugins_loaded
     assert any(f.startswith("typo: registers unknown op(s) topk_indicse; known ops:") for f in reg.plugins_failed)
     assert "topk_indicse.typo.kernel" not in reg.snapshot_ids()
+
+
+# --- issue 34, items 5 and 6: a factory returning None, a raising check --------------------------------------------
+_NONE_FACTORY_SCRIPT = """
+import warnings
+import torch
+from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
+
+reg = Registry(environment=Environment.simulated(gpu=True))
+load_plugins(reg, entry_points=False)
+reg.implementation("topk_indices", impl_id="topk_indices.nonevendor.kernel", targets=("cpu",), priority=150)(
+    lambda: None)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    fn_again = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+logits = torch.randn(3, 20)
+print("shape", tuple(fn(logits, 4, torch.tensor([20, 3, 11])).shape))
+print("same", fn is fn_again)
+print("warnings", [str(w.message) for w in caught])
+res = reg.resolve("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+print("chosen", res.chosen.impl_id)
+print("reason", {c.impl.impl_id: c.reason for c in res.candidates}["topk_indices.nonevendor.kernel"])
+"""
+
+
+def test_a_factory_returning_none_is_rejected_and_falls_back_instead_of_hanging():
+    # In a child process with a timeout: the old registry spun forever at 100% CPU on this call.
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        done = subprocess.run([sys.executable, "-c", _NONE_FACTORY_SCRIPT], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail("Registry.function hangs on a factory that returns None")
+    assert done.returncode == 0, done.stderr
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert out["shape"] == "(3, 4)" and out["same"] == "True"
+    assert out["chosen"] == "topk_indices.reference.torch"
+    assert out["reason"] == "factory returned None"
+    warned = [w for w in eval(out["warnings"]) if "nonevendor" in w]  # noqa: S307 - our own child's repr
+    assert warned == ["dsa_indexer: topk_indices.nonevendor.kernel could not be built, falling back (factory "
+                      "returned None)"]  # once, although the op was asked for twice
+
+
+def test_a_factory_returning_a_non_callable_is_rejected_with_what_it_returned():
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    load_plugins(reg, entry_points=False)
+    reg.implementation("topk_indices", impl_id="topk_indices.strvendor.kernel", targets=("cpu",), priority=150)(
+        lambda: "kernel")
+    with pytest.warns(RuntimeWarning, match="factory returned a str, not a callable"):
+        fn = reg.function("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    assert fn(torch.randn(2, 9), 4, torch.tensor([9, 2])).shape == (2, 4)
+    assert reg.failed_implementations() == {"topk_indices.strvendor.kernel": "factory returned a str, not a callable"}
+
+
+def test_info_and_explain_build_the_factory_and_show_a_none_factory_rejected():
+    """`resolve_runnable` (what `dsa-indexer info` / `explain` report) builds the chosen factory as a call would: a
+    None factory is shown rejected, not as the choice (in the detected environment: a simulated one builds nothing)."""
+    reg = Registry()
+    load_plugins(reg, entry_points=False)
+    reg.implementation("topk_indices", impl_id="topk_indices.nonevendor.kernel", targets=("cpu",), priority=150)(
+        lambda: None)
+    res = reg.resolve_runnable("topk_indices", Target("cpu", "cpu"), Problem(k=4))
+    assert res.chosen.impl_id == "topk_indices.reference.torch"
+    assert {c.impl.impl_id: c.reason for c in res.candidates}["topk_indices.nonevendor.kernel"] == \
+        "factory returned None"
+
+
+def _raising_check_plugin(monkeypatch, check: str):
+    plugin = types.ModuleType("dsa_test_raising_check_plugin")
+
+    def explode(*args):
+        raise RuntimeError("the vendor library's version query exploded")
+
+    @hookimpl
+    def dsa_indexer_register(registry):
+        registry.implementation("topk_indices", impl_id="topk_indices.badcheck.kernel", targets=("cpu",),
+                                priority=150, **{check: explode})(lambda: _never_called)
+
+    plugin.dsa_indexer_register = dsa_indexer_register
+    monkeypatch.setitem(sys.modules, "dsa_test_raising_check_plugin", plugin)
+    _fake_entry_points(monkeypatch, [("badcheck", "dsa_test_raising_check_plugin")])
+
+
+def _never_called(*args):
+    raise AssertionError("an implementation whose check raised was called")
+
+
+@pytest.mark.parametrize("check", ["supports", "available"])
+def test_a_raising_check_rejects_its_implementation_and_every_call_still_runs(monkeypatch, check):
+    from dsa_indexer import ops
+    from dsa_indexer.dispatch import plugins
+
+    _raising_check_plugin(monkeypatch, check)
+    reg = Registry()
+    load_plugins(reg)
+    assert "badcheck" in reg.plugins_loaded
+    monkeypatch.setattr(plugins, "_default", reg)  # what ops.* and the CLI use
+    logits = torch.randn(4, 30)
+    ends = torch.tensor([30, 7, 19, 30], dtype=torch.int32)
+    with pytest.warns(RuntimeWarning, match=f"topk_indices.badcheck.kernel \\(plugin badcheck\\) is rejected: its "
+                                            f"{check} check raised RuntimeError: the vendor library's version"):
+        got = ops.topk_indices(logits, 5, ends)
+    for row, end in enumerate(ends.tolist()):  # distinct random logits: the top 5 set is unique
+        assert sorted(got[row].tolist()) == sorted(torch.topk(logits[row, :end], 5).indices.tolist())
+    res = reg.resolve("topk_indices", Target("cpu", "cpu"), Problem(k=5, slots=False, starts=False))
+    assert res.chosen.impl_id == "topk_indices.reference.torch"
+    reason = {c.impl.impl_id: c.reason for c in res.candidates}["topk_indices.badcheck.kernel"]
+    assert reason == f"{check} check raised RuntimeError: the vendor library's version query exploded"
+
+
+def test_info_and_explain_show_a_raising_supports_check_instead_of_dying(monkeypatch, capsys):
+    from dsa_indexer.cli import main
+    from dsa_indexer.dispatch import plugins
+
+    _raising_check_plugin(monkeypatch, "supports")
+    reg = Registry()
+    load_plugins(reg)
+    monkeypatch.setattr(plugins, "_default", reg)  # what the CLI's default_registry() returns
+    with pytest.warns(RuntimeWarning, match="badcheck.kernel"):
+        assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert ("implementations failed: topk_indices.badcheck.kernel: supports check raised RuntimeError: the vendor "
+            "library's version query exploded") in out
+    assert "topk_indices" in out and "-> topk_indices.reference.torch" in out
+    assert main(["explain", "topk_indices"]) == 0
+    out = capsys.readouterr().out
+    assert "- topk_indices.badcheck.kernel" in out and "supports check raised RuntimeError" in out

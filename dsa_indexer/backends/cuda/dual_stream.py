@@ -35,6 +35,8 @@ Read when the strategy's factory runs (once per process):
 - ``DSA_INDEXER_DUAL_STREAM_GEMM_SMS``: limit DeepGEMM to this many SMs (or ``half``) while the q path is issued,
   leaving SMs to the k path (what SGLang does). Off by default: a different SM count may make DeepGEMM pick
   another tile shape, and bit-identity with `single_stream` is only promised with the default.
+All three are also checked when the library first reads its environment (`envflags.check_environment`), so a bad
+value is an error on any device, not only where this strategy is resolved.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from typing import Callable
 import torch
 
 from ...contract.cache import LAYOUT_PAGED64
-from ...envflags import EnvironmentFlagError, env_flag
+from ...envflags import EnvironmentFlagError, env_flag, parse_count, parse_sm_limit
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
 from ...contract.specs import PIPELINE_OP
@@ -86,14 +88,11 @@ def alt_streams() -> dict[int, torch.cuda.Stream]:
 
 def max_tokens() -> int | str:
     """The token threshold, or a reason string when the variable does not parse."""
-    text = os.environ.get(MAX_TOKENS_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_TOKENS
     try:
-        value = int(text)
-    except ValueError:
-        return f"{MAX_TOKENS_ENV}={text!r} is not an integer"
-    return value if value >= 1 else f"{MAX_TOKENS_ENV}={value} must be >= 1"
+        value = parse_count(MAX_TOKENS_ENV, os.environ.get(MAX_TOKENS_ENV))
+    except EnvironmentFlagError as exc:  # a reason, not a crash inside resolution: explain shows it
+        return str(exc)
+    return DEFAULT_MAX_TOKENS if value is None else value
 
 
 def supports(problem: Problem, target: Target) -> str | None:
@@ -118,8 +117,9 @@ def supports(problem: Problem, target: Target) -> str | None:
 
 def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
     """A context manager factory that limits DeepGEMM's SM count, when asked for and deep_gemm imports."""
-    text = os.environ.get(GEMM_SMS_ENV, "").strip().lower()
-    if text in ("", "0", "off", "no"):
+    text = os.environ.get(GEMM_SMS_ENV, "")
+    wanted = parse_sm_limit(GEMM_SMS_ENV, text)  # a bad value raises: the factory fails, naming the variable
+    if wanted is None:
         return None
     try:
         import deep_gemm
@@ -130,11 +130,7 @@ def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
         log.warning("dsa_indexer: %s ignored: this deep_gemm has no get_num_sms/set_num_sms", GEMM_SMS_ENV)
         return None
     total = deep_gemm.get_num_sms()
-    try:
-        sms = max(1, total // 2) if text == "half" else max(1, min(total, int(text)))
-    except ValueError:
-        log.warning("dsa_indexer: %s=%r ignored: expected an SM count or 'half'", GEMM_SMS_ENV, text)
-        return None
+    sms = max(1, total // 2) if wanted == "half" else min(total, wanted)
 
     @contextlib.contextmanager
     def limit():

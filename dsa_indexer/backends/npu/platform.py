@@ -10,7 +10,9 @@ from ...dispatch.environment import module_probe
 from ...dispatch.platform import Platform
 from ...dispatch.target import Target
 
-_NAME = re.compile(r"^npu(?:[:/](?P<soc>[A-Za-z0-9_.\-]+))?$", re.IGNORECASE)
+# The SoC as torch_npu.npu.get_device_name() names it (Ascend910B3, Ascend910_9392, Ascend310P3): "Ascend" and a
+# three-digit model, then the variant. It never changes resolution, so a misspelled one would pass unnoticed.
+_NAME = re.compile(r"^npu(?:[:/](?P<soc>Ascend[0-9]{3}[A-Za-z0-9_]*))?$", re.IGNORECASE)
 
 
 def _parse(name: str) -> Target | None:
@@ -45,4 +47,4 @@ PLATFORM = Platform(
     # C4 indexer (npu_quant_lightning_indexer takes no compression ratio, so that scoring runs on the reference; the
     # int8 store and prologues run on torch_npu)
     cache_layouts={1: "paged64_bf16", 4: "paged64_int8"},
-    names="'npu' (optionally 'npu:<SoC>')")
+    names="'npu' (optionally 'npu:<SoC>', the SoC as torch_npu names it: Ascend910B3, Ascend910_9392 ...)")

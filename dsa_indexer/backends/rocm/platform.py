@@ -13,10 +13,18 @@ from ...dispatch.target import Target
 ARCHS = ("gfx942", "gfx950", "gfx1250")
 FP8_DTYPES = {"gfx942": torch.float8_e4m3fnuz}  # MI300's matrix units take fnuz; the others e4m3fn
 _NAME = re.compile(r"^(gfx[0-9a-f]{3,4})(:[A-Za-z0-9_+\-:]*)?$")
+# What a user may write: an arch, then LLVM's target-ID features (each on or off), e.g. gfx942:sramecc+:xnack-.
+_USER_NAME = re.compile(r"^(gfx[0-9a-f]{3,4})(?::(?:sramecc|xnack)[+-])*$")
+
+
+def _parse_reported(name: str) -> Target | None:
+    """The arch torch reports (gcnArchName): lenient about its suffix, so detection never fails on a new feature."""
+    match = _NAME.match(name.lower())
+    return Target("rocm", match.group(1)) if match else None
 
 
 def _parse(name: str) -> Target | None:
-    match = _NAME.match(name.lower())
+    match = _USER_NAME.match(name.lower())
     return Target("rocm", match.group(1)) if match else None
 
 
@@ -27,7 +35,7 @@ def _visible() -> bool:
 def _detect(device: torch.device) -> Target | None:
     if device.type != "cuda" or not torch.version.hip:
         return None
-    return _parse(torch.cuda.get_device_properties(device).gcnArchName)
+    return _parse_reported(torch.cuda.get_device_properties(device).gcnArchName)
 
 
 PLATFORM = Platform(
@@ -37,4 +45,4 @@ PLATFORM = Platform(
     probes={"aiter": module_probe("aiter", "pip install 'dsa-indexer[rocm]' on a ROCm machine")},
     libraries={"aiter": "aiter"},
     distributions=("amd-aiter",),
-    names="a ROCm arch (gfx942, gfx950, gfx1250)")
+    names="a ROCm arch (gfx942, gfx950, gfx1250; optionally with target-ID features, e.g. gfx942:sramecc+:xnack-)")
