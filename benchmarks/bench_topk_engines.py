@@ -22,8 +22,8 @@ valid columns, and the indices must be distinct and inside the row.
 
 --engines PATH.py: a file (kept outside the repository: engine code and bindings are never committed) defining
 ``engines() -> dict[name, callable(logits, k, ends) -> int indices [B, >= k]]``; each is timed like ours. The file
-may define ``VERSIONS`` (what was built, from which release), recorded in the JSON, and ``engines.path_seen``
-(``{(B, width): the kernel an engine's own dispatch took}``), recorded per cell.
+may define ``VERSIONS`` (what was built, from which release), recorded in the JSON, and ``path_seen(engine, B,
+width, k, longest)`` (the kernel that engine's own dispatch takes), recorded per cell.
 Writes DIR/topk_engines.json with the command, versions, every cell and, per cell, ours over the best engine.
 """
 
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plans", action="store_true", help="also time the other launches the plan chooses between")
     parser.add_argument("--triton", action="store_true", help="also time the Triton top-k")
     parser.add_argument("--engines", default=None, help="a .py file defining engines() (kept out of the repo)")
+    parser.add_argument("--engine-names", nargs="*", default=None, help="time only these of the file's engines")
     parser.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cells after this long")
     args = parser.parse_args(argv)
 
@@ -178,8 +179,11 @@ def main(argv=None) -> int:
     if args.engines:
         spec = importlib.util.spec_from_file_location("topk_engines_binding", args.engines)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (dataclasses in the binding look their module up)
         spec.loader.exec_module(module)
         engines = module.engines()
+        if args.engine_names is not None:
+            engines = {name: fn for name, fn in engines.items() if name in args.engine_names}
         engine_module = module
     timer = Timer(device, args.repeats)
     todo = cells(args, device)
@@ -225,9 +229,14 @@ def main(argv=None) -> int:
         if engine_times and "cuda.radix" in times:
             best = min(engine_times, key=engine_times.get)
             cell["best_engine"], cell["ours_over_best_engine"] = best, round(times["cuda.radix"] / times[best], 3)
-        seen = getattr(getattr(engine_module, "engines", None), "path_seen", {})
-        if (batch, width) in seen:
-            cell["engine_dispatch"] = seen[(batch, width)]
+        path_seen = getattr(engine_module, "path_seen", None)
+        if callable(path_seen):
+            cell["engine_dispatch"] = {}
+            for engine in engines:
+                try:
+                    cell["engine_dispatch"][engine] = path_seen(engine, batch, width, k, int(lens.max()))
+                except Exception as exc:  # noqa: BLE001 - a description only
+                    cell["engine_dispatch"][engine] = f"unknown ({type(exc).__name__})"
         rows.append(cell)
         ratio = f"  ours/best={cell['ours_over_best_engine']:.2f}" if "ours_over_best_engine" in cell else ""
         print(f"{name}: " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())

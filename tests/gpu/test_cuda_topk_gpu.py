@@ -260,10 +260,10 @@ def test_rows_routed_by_their_own_length(kernel_ready, lengths, width):
         _check(logits, 512, ends, plan=plan)
 
 
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
 def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     """Solo and cluster rows in one launch, windows with starts, the slot transform through row_request; both
-    grids (one wave of clusters looping over their rows, one cluster per row)."""
+    grids (one cluster per row, and one wave of clusters looping over their rows: PACK_ROWS)."""
     monkeypatch.setattr(cuda_topk, "PACK_ROWS", packed)
     gen = torch.Generator().manual_seed(99)
     rows, width = 96, 163840
@@ -277,6 +277,23 @@ def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     _check(logits, 2048, ends, starts, plan=plan)
     _check(logits, 2048, ends, starts, table, req, plan=plan)
     _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
+
+
+def test_clusters_looping_over_rows_of_different_groups(kernel_ready):
+    """More rows than the grid's 65535 clusters: a cluster meets a second row whose route (one CTA alone, or all 3)
+    differs from its first's. Checked on the rows of both turns of the first clusters, and a sample of the rest
+    (the reference over 66000 rows would take minutes)."""
+    rows, width = 66000, 40000
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    logits = torch.randn(rows, width, generator=gen, device=DEVICE)
+    lengths = torch.randint(2049, width + 1, (rows,), generator=gen, device=DEVICE, dtype=torch.int32)
+    plan = cuda_topk.Plan("registers", *cuda_topk.register_plan(rows, width, _sms()))
+    assert plan.cluster == 3
+    got = cuda_topk.run_plan(logits, 2048, lengths, None, None, None, plan)
+    probe = torch.cat([torch.arange(0, 600), torch.arange(65400, rows),
+                       torch.randint(0, rows, (400,), generator=torch.Generator().manual_seed(4))]).to(DEVICE)
+    want = ref.topk_indices(logits[probe], 2048, lengths[probe])
+    assert torch.equal(got[probe].sort(dim=1).values, want.sort(dim=1).values)
 
 
 def test_padded_graph_replays_other_lengths(kernel_ready):
