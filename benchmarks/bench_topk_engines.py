@@ -241,7 +241,6 @@ def main(argv=None) -> int:
         ratio = f"  ours/best={cell['ours_over_best_engine']:.2f}" if "ours_over_best_engine" in cell else ""
         print(f"{name}: " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())
               + f"  wrong={sum(cell['wrong_rows'].values())}{ratio}", flush=True)
-        del logits
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"command": "python3 benchmarks/bench_topk_engines.py " + " ".join(argv or sys.argv[1:]),

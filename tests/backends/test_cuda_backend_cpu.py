@@ -35,13 +35,6 @@ RAGGED = dict(heads=64, dim=128, fp8="fn")
 GEMM = dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn")
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = Registry()
-    load_plugins(reg, entry_points=False)
-    return reg
-
-
 def _candidate(res, impl_id):
     return next(c for c in res.candidates if c.impl.impl_id == impl_id)
 

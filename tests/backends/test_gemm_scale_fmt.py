@@ -28,13 +28,6 @@ GEMM = dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn")
 TRITON_AND_DG = Environment.simulated(gpu=True, triton=True, deep_gemm=True)
 
 
-@pytest.fixture(scope="module")
-def registry():
-    reg = Registry()
-    load_plugins(reg, entry_points=False)
-    return reg
-
-
 def _verdict(res, impl_id):
     return next(c for c in res.candidates if c.impl.impl_id == impl_id)
 

@@ -21,8 +21,8 @@ from dsa_indexer import ops
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.backends.rocm import aiter_api
 from dsa_indexer.backends.rocm import paged
-from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_plugins
-from doubles.aiter import PlainPagedKernelDouble, install_fake_aiter
+from dsa_indexer.dispatch import Environment, Problem, Target
+from doubles.aiter import PlainPagedKernelDouble, install_fake_aiter, pretend_rocm_gpu
 
 GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
 FP8 = {GFX942: "fnuz", GFX950: "fn", GFX1250: "fn"}
@@ -31,13 +31,6 @@ WITH_AITER = Environment.simulated(gpu=True, triton=True, aiter=True)
 # page 254199's last key byte is at 254199 * 8448 + 63 * 128 + 127 = 2,147,481,343 <= 2**31 - 1, page 254200's at
 # 2,147,489,791 > 2**31 - 1. So caches of up to 254,200 pages are safe.
 LAST_SAFE_PAGE_COUNT = 254_200
-
-
-@pytest.fixture(scope="module")
-def registry():
-    reg = Registry()
-    load_plugins(reg, entry_points=False)
-    return reg
 
 
 def _candidate(res, impl_id):
@@ -127,15 +120,6 @@ def test_the_adapter_refuses_a_cache_past_the_limit_before_launching():
 TOPK = dict(k=2048, slots=False, starts=False)
 
 
-def _pretend_rocm_gpu(monkeypatch):
-    """The probe's device checks pass (a ROCm torch seeing one GPU); self-tests run on the CPU; no earlier result."""
-    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    real = aiter_api.self_test
-    monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
-    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
 
 
 @pytest.mark.parametrize("running, built_for, jit_dir_env, usable", [
@@ -164,7 +148,7 @@ def test_prebuilt_modules_follow_aiters_own_arch_check(monkeypatch, tmp_path, re
         monkeypatch.setenv("AITER_JIT_DIR", str(elsewhere))
     else:
         monkeypatch.delenv("AITER_JIT_DIR", raising=False)
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None},

@@ -35,7 +35,7 @@ from dsa_indexer.dispatch import Environment, Problem, Registry, Target, load_pl
 from dsa_indexer.contract.quant import PRODUCER_UNROUNDED
 from dsa_indexer.contract.validate import IndexerInputError
 from doubles.aiter import (PlainPagedKernelDouble, emulated_fp8_mqa_logits, emulated_top_k_per_row_decode,
-                           install_fake_aiter)
+                           install_fake_aiter, pretend_rocm_gpu)
 
 GFX942, GFX950, GFX1250 = Target("rocm", "gfx942"), Target("rocm", "gfx950"), Target("rocm", "gfx1250")
 NPU = Target("npu", "npu")
@@ -45,13 +45,6 @@ WITHOUT_AITER = Environment.simulated(gpu=True, triton=True, aiter="aiter is not
 RAGGED = dict(heads=64, dim=128)
 TOPK = dict(k=2048, slots=False, starts=False)
 AITER_PKG = Path(os.environ.get("DSA_AITER_PKG", Path(__file__).parents[2] / ".deps" / "aiter_pkg"))
-
-
-@pytest.fixture(scope="module")
-def registry():
-    reg = Registry()
-    load_plugins(reg, entry_points=False)
-    return reg
 
 
 @pytest.fixture
@@ -402,21 +395,13 @@ def test_aiter_probe_returns_reasons_and_never_raises(monkeypatch):
     assert aiter_api.detected_api() is None
 
 
-def _pretend_rocm_gpu(monkeypatch):
-    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    real = aiter_api.self_test
-    monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
-    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
 
 
 def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch):
     """The probe's logic with a fake aiter whose ragged kernel has the documented alignment bug: the adapter's
     workaround makes the self-test pass. Not aiter, not a GPU."""
     fake = install_fake_aiter(monkeypatch)
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     assert api.ragged_wrapper == "aiter.ops.triton.fp8_mqa_logits.fp8_mqa_logits"
@@ -425,7 +410,7 @@ def test_aiter_probe_detects_functions_and_self_tests_the_workaround(monkeypatch
     assert api.fp8_dtype == torch.float8_e4m3fn and api.ragged_self_test is None
     assert fake.calls and all(c[0] == "fp8_mqa_logits" for c in fake.calls)
 
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     fake.ops.triton.fp8_mqa_logits.fp8_mqa_logits = lambda q, kv, *a: torch.zeros(q.shape[0], kv.shape[0])
     assert aiter_api.probe() is None  # aiter itself is fine; only the ragged implementation is turned off
     assert aiter_api.detected_api().ragged_self_test.startswith("AssertionError: row 0")
@@ -438,7 +423,7 @@ def test_probe_self_tests_the_paged_path_and_turns_off_only_it(monkeypatch, tmp_
     prebuilt = ("module_top_k_per_row", "module_gemm_a8w8_blockscale")
     fake = install_fake_aiter(monkeypatch, paged=dict(triton_version="3.5.0", gfx="gfx950"),
                                jit=dict(tmp_path=tmp_path, prebuilt=prebuilt))
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     assert api.paged_logits == ("aiter.ops.triton._triton_kernels.attention.pa_mqa_logits."
@@ -454,7 +439,7 @@ def test_probe_self_tests_the_paged_path_and_turns_off_only_it(monkeypatch, tmp_
                               "max_blk_len": kw["max_blk_len"] * 64})
 
     monkeypatch.setattr(PlainPagedKernelDouble, "_run", staticmethod(page_size_one))
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     assert api.paged_self_test and api.ragged_self_test is None
@@ -472,7 +457,7 @@ def test_aiter_0_1_7_provides_no_paged_logits_and_says_which_aiter_does(monkeypa
     """An aiter without the block-level kernel (0.1.7's paths): the probe passes, paged logits are absent, and the
     reason names what is needed and where it was found."""
     install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_top_k_per_row",)))
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     assert api.paged_logits is None and "paged logits: - (needs the block-level Triton kernel" in api.describe()
@@ -503,7 +488,7 @@ def test_compiled_modules_must_be_prebuilt_never_built_in_a_call(monkeypatch, tm
         monkeypatch.setenv("AITER_JIT_DIR", str(elsewhere))
     else:
         monkeypatch.delenv("AITER_JIT_DIR", raising=False)
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     api = aiter_api.detected_api()
     probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name=f"probed-jit-{how}")
@@ -522,11 +507,11 @@ def test_compiled_modules_must_be_prebuilt_never_built_in_a_call(monkeypatch, tm
 def test_gemm_needs_its_ck_tile_module_where_aiter_has_that_variant(monkeypatch, tmp_path, registry):
     fake = install_fake_aiter(monkeypatch, jit=dict(tmp_path=tmp_path, prebuilt=("module_gemm_a8w8_blockscale",)))
     fake.gemm_a8w8_blockscale = lambda *a, **k: None
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     assert "gemm_blockscale" not in aiter_api.detected_api().unbuilt
     fake.gemm_a8w8_blockscale_cktile = lambda *a, **k: None  # main: tuned shapes may dispatch to CK-tile
-    _pretend_rocm_gpu(monkeypatch)
+    pretend_rocm_gpu(monkeypatch)
     assert aiter_api.probe() is None
     assert aiter_api.detected_api().unbuilt["gemm_blockscale"] == ("module_gemm_a8w8_blockscale_cktile",)
     probed = Environment(probes={}, facts={"gpu": None, "triton": None, "aiter": None}, name="probed-cktile")

@@ -366,3 +366,17 @@ def install_fake_aiter(monkeypatch, fp8=torch.float8_e4m3fn, with_clean_logits=F
     if jit is not None:
         fake.jit_dir = _install_fake_jit(monkeypatch, mods, **jit)
     return fake
+
+
+def pretend_rocm_gpu(monkeypatch) -> None:
+    """The aiter probe's device checks pass (a ROCm torch seeing one GPU); its self-tests run on the CPU; no earlier
+    probe result is kept."""
+    from dsa_indexer.backends.rocm import aiter_api
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0-fake")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = aiter_api.self_test
+    monkeypatch.setattr(aiter_api, "self_test", lambda api, device: real(api, torch.device("cpu")))
+    monkeypatch.setattr(aiter_api.LIBRARY, "detected", None)
