@@ -249,6 +249,70 @@ def bench_topk(run: _Run, batch: int, context: int) -> None:
     row.details["timing"] = base_mode
 
 
+V4_TOPK = 512  # DeepSeek-V4's C4 indexer selects 512 compressed keys
+PADDED_WIDTH = 163840  # vLLM pads V3.2 decode logits to max_model_len
+PADDED_CELLS = ((1, 8192), (32, 8192), (128, 8192), (32, 32768))
+MIXED_ROWS, MIXED_RANGE = (32, 128), (2048, 131072)
+V4_CONTEXTS = (2048, 8192, 32768)
+
+
+def engine_call_cells(on_gpu: bool, batches: Sequence[int], contexts: Sequence[int]) -> list[tuple]:
+    """``(family, lengths, width, k)`` of the top-k cells in the ways serving engines call it (issue 35): rows of
+    one length in logits padded to max_model_len ("padded"), rows of mixed lengths in that width ("mixed", seeded
+    log-uniform), and V4's k = 512 ("v4"). On a GPU the issue's cells; on a CPU the same kinds at this run's sizes."""
+    gen = torch.Generator().manual_seed(35)
+    if on_gpu:
+        padded = [(b, c, PADDED_WIDTH) for b, c in PADDED_CELLS]
+        mixed = [(b, *MIXED_RANGE, PADDED_WIDTH) for b in MIXED_ROWS]
+        v4 = [(b, c) for c in V4_CONTEXTS for b in batches]
+    else:
+        width = 4 * max(contexts)
+        padded = [(b, min(contexts), width) for b in batches]
+        mixed = [(max(batches) * 2, min(contexts) // 2, max(contexts), width)]
+        v4 = [(b, c) for c in contexts[:1] for b in batches]
+    cells = [("padded", [c] * b, width, TOPK) for b, c, width in padded]
+    for b, lo, hi, width in mixed:
+        low, high = torch.tensor(float(lo)).log(), torch.tensor(float(hi)).log()
+        lengths = (low + (high - low) * torch.rand(b, generator=gen)).exp().round().clamp(lo, hi).long().tolist()
+        cells.append(("mixed", lengths, width, TOPK))
+    return cells + [("v4", [c] * b, c, V4_TOPK) for b, c in v4]
+
+
+def bench_topk_engine_call(run: _Run, family: str, lengths: list[int], width: int, k: int) -> None:
+    """Top-k on real decode logits laid out as an engine passes them: per-row lengths (``ends``) inside a
+    ``width``-wide row whose columns past a row's end hold a value above every real logit (read, they would be
+    selected: the differing-rows check catches it). torch.topk, the baseline, runs on the valid prefix of the
+    longest row."""
+    batch, longest = len(lengths), max(lengths)
+    real = real_decode_logits(batch, longest, run.device, seed=1, indexer=run.indexer())[0]
+    logits = torch.full((batch, width), float(real.max()) * 2 + 1.0, device=run.device)
+    for r, n in enumerate(lengths):
+        logits[r, :n] = real[r, :n]
+    ends = torch.tensor(lengths, dtype=torch.int32, device=run.device)
+    shape = {"batch": batch, "context": longest, "width": width, "k": k, "family": family}
+    bytes_moved = sum(lengths) * 4
+    prefix = logits[:, :longest]
+    base_us = run.timer(lambda: torch.topk(prefix, min(k, longest), dim=1))
+    base_mode = run.timer.mode
+    problem = ops.problem("topk_indices", k=k, slots=False, starts=False)
+    for impl in run.accepted("topk_indices", problem, shape, work=batch * width):
+        us = run.timed("topk_indices", impl, lambda: ops.topk_indices(logits, k, ends), shape)
+        if us is None:
+            continue
+        with _Forced("topk_indices", impl):
+            got = ops.topk_indices(logits, k, ends)
+        differ = 0
+        for n in sorted(set(lengths)):
+            rows = (ends == n).nonzero().flatten()
+            want = torch.topk(logits[rows, :n], min(k, n), dim=1).indices
+            differ += _differing_rows(got[rows], want)
+        run.add("topk", "topk_indices", impl, shape, us, bytes_moved, "GB/s", run.report.ceilings["copy_GBps"],
+                bytes=bytes_moved, speedup_vs_torch_topk=base_us / us, rows_differing_from_torch_topk=differ)
+    row = run.add("topk", "topk_indices", TORCH_TOPK, shape, base_us, bytes_moved, "GB/s",
+                  run.report.ceilings["copy_GBps"], bytes=bytes_moved)
+    row.details["timing"] = base_mode
+
+
 def bench_prefill(run: _Run, queries: int, keys: int) -> None:
     ceiling = run.report.ceilings.get("fp8_matmul_TFLOPs") or run.report.ceilings.get("fp32_matmul_TFLOPs")
     gen = torch.Generator().manual_seed(2)
@@ -326,6 +390,11 @@ def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats
                   for b, c in grid]
     if "topk" in want:
         items += [(f"topk B={b} ctx={c}", lambda b=b, c=c: bench_topk(run, b, c)) for b, c in sizes("topk", grid)]
+    if "topk" in suites:  # the engines' ways of calling it: only when the top-k suite is asked for by name
+        items += [(f"topk {family} B={len(lengths)} len={max(lengths)}{'' if len(set(lengths)) == 1 else ' (mixed)'} "
+                   f"width={width} k={k}",
+                   lambda f=family, n=lengths, w=width, kk=k: bench_topk_engine_call(run, f, n, w, kk))
+                  for family, lengths, width, k in engine_call_cells(on_gpu, batches, contexts)]
     if "prefill" in want:
         items += [(f"prefill {q}x{k}", lambda q=q, k=k: bench_prefill(run, q, k))
                   for q, k in sizes("prefill", prefill)]

@@ -158,7 +158,7 @@ def test_json_on_stdout_stays_json_when_something_prints(monkeypatch, capsys):
     code, data, err = _json_run(capsys, "--suite", "topk", *CPU, "--batch", "1", "--context", "256", "--repeats",
                                 "1", "--progress", "plain")
     assert code == 0 and {r["suite"] for r in data["rows"]} == {"topk"}
-    assert "a library printing on stdout" in err and "bench 1/1: topk B=1 ctx=256" in err
+    assert "a library printing on stdout" in err and "bench 1/4: topk B=1 ctx=256" in err
     rows = {r["implementation"]: r for r in data["rows"]}
     assert rows["topk_indices.reference.torch"]["details"]["rows_differing_from_torch_topk"] == 0
     assert rows["topk_indices.reference.torch"]["details"]["speedup_vs_torch_topk"] > 0
@@ -179,7 +179,44 @@ def test_a_failing_implementation_is_recorded_and_the_exit_code_says_so(monkeypa
 
 def test_the_budget_skips_what_it_cannot_start(capsys):
     code, data, _ = _json_run(capsys, "--suite", "topk", *SMALL, "--budget-s", "1e-9")
-    assert code == 0 and data["rows"] == [] and data["skipped_for_time"] == ["topk B=1 ctx=256"]
+    assert code == 0 and data["rows"] == []
+    assert data["skipped_for_time"] == ["topk B=1 ctx=256", "topk padded B=1 len=256 width=1024 k=2048",
+                                        "topk mixed B=2 len=153 (mixed) width=1024 k=2048",
+                                        "topk v4 B=1 len=256 width=256 k=512"]
+
+
+def test_the_topk_suite_has_the_engines_ways_of_calling_it(capsys):
+    """--suite topk also times rows padded to a wider width, mixed lengths and V4's k = 512 (issue 35), each
+    checked against torch.topk over the row's own columns."""
+    code, data, _ = _json_run(capsys, "--suite", "topk", *CPU, "--batch", "1", "4", "--context", "256",
+                              "--repeats", "1", "--progress", "none")
+    assert code == 0 and not data["errors"]
+    ours = [r for r in data["rows"] if r["implementation"] == "topk_indices.reference.torch"]
+    families = {r["shape"].get("family", "grid"): r for r in ours}
+    assert set(families) == {"grid", "padded", "mixed", "v4"}
+    assert families["padded"]["shape"]["width"] == 1024 and families["v4"]["shape"]["k"] == 512
+    mixed = families["mixed"]["shape"]
+    assert mixed["batch"] == 8 and 128 <= mixed["context"] <= 256
+    assert all(r["details"]["rows_differing_from_torch_topk"] == 0 for r in ours)
+
+
+def test_an_engine_call_cell_catches_a_kernel_that_reads_past_the_rows_end(monkeypatch):
+    """Columns past a row's end hold values above every real logit: a top-k that ignores ``ends`` selects them,
+    and the cell's differing-rows count says so."""
+    from dsa_indexer.bench import suites
+
+    report = bench.BenchReport("cpu", "cpu", "", {"copy_GBps": 1.0})
+    run = suites._Run(report, suites.detect_target(torch.device("cpu")), torch.device("cpu"),
+                      bench.Timer(torch.device("cpu"), 1))
+    real_topk = suites.ops.topk_indices
+
+    def ignores_ends(logits, k, ends, *args, **kwargs):
+        return real_topk(logits, k, torch.full_like(ends, logits.shape[1]))
+
+    monkeypatch.setattr(suites.ops, "topk_indices", ignores_ends)
+    suites.bench_topk_engine_call(run, "padded", [300, 200], 1024, 64)
+    row = next(r for r in report.rows if r.implementation == "topk_indices.reference.torch")
+    assert row.details["rows_differing_from_torch_topk"] == 2
 
 
 @pytest.mark.parametrize("args, message", [
