@@ -81,12 +81,6 @@ def real_logits(batch: int, context: int, device: torch.device, seed: int = 0):
     return logits_for
 
 
-PADDED_WIDTH = 163840  # vLLM pads V3.2 decode logits to max_model_len
-PADDED_CELLS = ((1, 8192), (32, 8192), (128, 8192), (32, 32768))
-MIXED_BATCHES = (32, 128)
-MIXED_RANGE = (2048, 131072)
-V4_K = 512
-V4_CONTEXTS = (2048, 8192, 32768)
 
 
 def check(logits: torch.Tensor, ends: torch.Tensor, k: int, got: torch.Tensor) -> int:
@@ -106,21 +100,17 @@ def check(logits: torch.Tensor, ends: torch.Tensor, k: int, got: torch.Tensor) -
     return wrong
 
 
-def cells(args, device: torch.device):
-    """(family, batch, per-row lengths [B] int32, width, k) of every cell asked for."""
+def cells(args):
+    """(family, batch, per-row lengths [B] int32, width, k) of every cell asked for: the grid, then the engines'
+    ways of calling the top-k as `dsa-indexer bench --suite topk` defines them on a GPU (one definition)."""
+    from dsa_indexer.bench.suites import engine_call_cells
+
     out = []
     if "grid" in args.cells:
         out += [("grid", b, torch.full((b,), c, dtype=torch.int32), c, K) for c in args.contexts for b in args.batches]
-    if "padded" in args.cells:
-        out += [("padded", b, torch.full((b,), c, dtype=torch.int32), PADDED_WIDTH, K) for b, c in PADDED_CELLS]
-    if "mixed" in args.cells:
-        gen = torch.Generator().manual_seed(35)
-        lo, hi = (torch.tensor(float(x)).log() for x in MIXED_RANGE)
-        for b in MIXED_BATCHES:
-            lens = (lo + (hi - lo) * torch.rand(b, generator=gen)).exp().round().clamp(*MIXED_RANGE).to(torch.int32)
-            out.append(("mixed", b, lens, PADDED_WIDTH, K))
-    if "v4" in args.cells:
-        out += [("v4", b, torch.full((b,), c, dtype=torch.int32), c, V4_K) for c in V4_CONTEXTS for b in args.batches]
+    for family, lengths, width, k in engine_call_cells(True, args.batches, args.contexts):
+        if family in args.cells:
+            out.append((family, len(lengths), torch.tensor(lengths, dtype=torch.int32), width, k))
     return out
 
 
@@ -186,7 +176,7 @@ def main(argv=None) -> int:
             engines = {name: fn for name, fn in engines.items() if name in args.engine_names}
         engine_module = module
     timer = Timer(device, args.repeats)
-    todo = cells(args, device)
+    todo = cells(args)
     longest = max(int(lens.max()) for _, _, lens, _, _ in todo)
     real = real_logits(max(b for _, b, _, _, _ in todo), longest, device)(longest)
     above = float(real.max()) * 2 + 1.0  # past a row's end: above every real logit

@@ -225,28 +225,8 @@ def _differing_rows(got: torch.Tensor, want: torch.Tensor) -> int:
 def bench_topk(run: _Run, batch: int, context: int) -> None:
     """Top-k on real decode logits (keys through the V3.2 indexer's k path, queries through its q path, the
     registry's paged logits: `testing.real_decode_logits`), the distribution the engines' kernels are compared on;
-    randn rows select differently (no long tail of near-zero ReLU sums)."""
-
-    logits = real_decode_logits(batch, context, run.device, seed=1, indexer=run.indexer())[0].contiguous()
-    ends = torch.full((batch,), context, dtype=torch.int32, device=run.device)
-    kk = min(TOPK, context)
-    bytes_moved = batch * context * 4
-    shape = {"batch": batch, "context": context}
-    want = torch.topk(logits, kk, dim=1).indices
-    problem = ops.problem("topk_indices", k=TOPK, slots=False, starts=False)
-    base_us = run.timer(lambda: torch.topk(logits, kk, dim=1))
-    base_mode = run.timer.mode
-    for impl in run.accepted("topk_indices", problem, shape, work=batch * context):
-        us = run.timed("topk_indices", impl, lambda: ops.topk_indices(logits, TOPK, ends), shape)
-        if us is None:
-            continue
-        with _Forced("topk_indices", impl):
-            differ = _differing_rows(ops.topk_indices(logits, TOPK, ends), want)
-        run.add("topk", "topk_indices", impl, shape, us, bytes_moved, "GB/s", run.report.ceilings["copy_GBps"],
-                bytes=bytes_moved, speedup_vs_torch_topk=base_us / us, rows_differing_from_torch_topk=differ)
-    row = run.add("topk", "topk_indices", TORCH_TOPK, shape, base_us, bytes_moved, "GB/s",
-                  run.report.ceilings["copy_GBps"], bytes=bytes_moved)
-    row.details["timing"] = base_mode
+    randn rows select differently (no long tail of near-zero ReLU sums). Every row ``context`` long."""
+    bench_topk_engine_call(run, "grid", [context] * batch, context, TOPK)
 
 
 V4_TOPK = 512  # DeepSeek-V4's C4 indexer selects 512 compressed keys
@@ -282,14 +262,16 @@ def bench_topk_engine_call(run: _Run, family: str, lengths: list[int], width: in
     """Top-k on real decode logits laid out as an engine passes them: per-row lengths (``ends``) inside a
     ``width``-wide row whose columns past a row's end hold a value above every real logit (read, they would be
     selected: the differing-rows check catches it). torch.topk, the baseline, runs on the valid prefix of the
-    longest row."""
+    longest row. ``family`` "grid": every row fills the width (the rows keep the B x context shape)."""
     batch, longest = len(lengths), max(lengths)
     real = real_decode_logits(batch, longest, run.device, seed=1, indexer=run.indexer())[0]
     logits = torch.full((batch, width), float(real.max()) * 2 + 1.0, device=run.device)
     for r, n in enumerate(lengths):
         logits[r, :n] = real[r, :n]
     ends = torch.tensor(lengths, dtype=torch.int32, device=run.device)
-    shape = {"batch": batch, "context": longest, "width": width, "k": k, "family": family}
+    shape = {"batch": batch, "context": longest}
+    if family != "grid":
+        shape.update(width=width, k=k, family=family)
     bytes_moved = sum(lengths) * 4
     prefix = logits[:, :longest]
     base_us = run.timer(lambda: torch.topk(prefix, min(k, longest), dim=1))

@@ -248,7 +248,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         int* h = s.hist[level & 1];
 #pragma unroll
         for (int e = 0; e < KPT; ++e) {
-        if ((e >> 2) >= live) break;
+          if ((e >> 2) >= live) break;
           if (key[e] == prefix) {
             const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
             const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(c - start);
@@ -269,7 +269,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     unsigned selected = 0u;  // bit e: key[e] is selected
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
-        if ((e >> 2) >= live) break;
+      if ((e >> 2) >= live) break;
       const unsigned kk = key[e];
       bool sel = false;
       if (kk != 0u) {
@@ -311,7 +311,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     }
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
-        if ((e >> 2) >= live) break;
+      if ((e >> 2) >= live) break;
       if (selected & (1u << e)) {
         const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
         out_row[offset++] = out_value(c - start, req, p);
