@@ -114,7 +114,7 @@ def test_randn_rows_match_reference(kernel_ready, rows, cols, k):
 def test_adversarial_rows(kernel_ready, cols):
     gen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(0, 1 << 30, ())))
     k = 2048 if cols > 2048 else 512
-    x = torch.randn(10, cols, device=DEVICE, generator=gen)
+    x = torch.randn(12, cols, device=DEVICE, generator=gen)
     x[0] = 3.25  # all equal
     x[1] = torch.randint(0, 3, (cols,), device=DEVICE, generator=gen).float()  # massive ties at the k-th value
     x[2, ::3] = float("-inf")  # visible -inf
@@ -124,13 +124,17 @@ def test_adversarial_rows(kernel_ready, cols):
     x[6] = 1e6 + torch.randn(cols, device=DEVICE, generator=gen)  # a narrow band far from zero
     x[7, :] = float("-inf")
     x[8] = torch.randn(cols, device=DEVICE, generator=gen) * 1e-30  # denormal-scale values straddling zero
-    ends = torch.full((10,), cols, dtype=torch.int32, device=DEVICE)
+    x[10] = -torch.exp(torch.randn(cols, device=DEVICE, generator=gen))  # only negatives: the threshold below 0
+    sparse = torch.rand(cols, device=DEVICE, generator=gen) < 0.05  # a few positives among signed zeros:
+    zeros = torch.where(torch.rand(cols, device=DEVICE, generator=gen) < 0.5, 0.0, -0.0)  # the k-th is a zero
+    x[11] = torch.where(sparse, torch.rand(cols, device=DEVICE, generator=gen) + 1e-3, zeros)
+    ends = torch.full((12,), cols, dtype=torch.int32, device=DEVICE)
     ends[9] = k - 548  # shorter than k: every visible column then -1
-    starts = torch.zeros(10, dtype=torch.int32, device=DEVICE)
-    for plan in _plans(10, cols):
+    starts = torch.zeros(12, dtype=torch.int32, device=DEVICE)
+    for plan in _plans(12, cols):
         _check(x, k, ends, plan=plan)
-    starts[2], starts[5], starts[6] = 1, min(4097, cols // 2), 123  # windows with starts, unaligned
-    for plan in _plans(10, cols):
+    starts[2], starts[5], starts[6], starts[11] = 1, min(4097, cols // 2), 123, 2  # windows with starts, unaligned
+    for plan in _plans(12, cols):
         _check(x, k, ends, starts, plan=plan)
 
 

@@ -66,6 +66,7 @@ struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
   int group[kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers)
   int warp_sum[kWarps];
+  unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
 };
@@ -160,6 +161,35 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
   count = s.found[2];
 }
 
+// The block's min and max of the threads' `lo` / `hi` (every thread gets them). Why: a radix select over keys that
+// share their high bits (the candidates are all >= one threshold; a row's logits span few exponents) would put them
+// all in a few bins of its first 11-bit level, serialising the shared-memory atomics; starting at the highest bit
+// where min and max differ spreads them over the bins and saves the levels above.
+template <int T, class S>
+__device__ __forceinline__ void block_min_max(unsigned& lo, unsigned& hi, S& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) {
+    s.min_max[0][warp] = lo;
+    s.min_max[1][warp] = hi;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) {
+    lo = min(lo, s.min_max[0][w]);
+    hi = max(hi, s.min_max[1][w]);
+  }
+}
+
+// The radix start for keys in [lo, hi]: the bits above the highest one where they differ are common (the class
+// prefix), so the first level reads the 11 bits below it.
+__device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift, unsigned& prefix) {
+  const unsigned diff = lo ^ hi;
+  shift = diff == 0u ? 0 : 32 - __clz(diff);
+  prefix = shift >= 32 ? 0u : hi >> shift;
+}
+
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
@@ -208,7 +238,9 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     }
     __syncthreads();  // the cleared histogram before any atomic
 
-    // ---- radix select on the key: 11 + 11 + 10 bits, stopping when the threshold bin is taken whole
+    // ---- radix select on the key: 11 + 11 + 10 bits, stopping when the threshold bin is taken whole. (Levels
+    // from the row's highest varying bit, as the streaming kernel's, measured 1-2 us slower here: H200, 1 x 8K
+    // 10.1 -> 11.7 us, the min / max costs a barrier, a cluster's an extra cluster barrier.)
     int level = 0;
     unsigned prefix = 0u;  // the resolved high bits of the k-th key: the class is key >> shift == prefix
     int shift = 32;
@@ -499,35 +531,55 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     // Every sampled float4 holds >= 1 column of the window, so the sample has >= 2048 keys and m <= 2048 exists.
     long long want = (3LL * p.k * kStreamSampleVecs * kThreads) / (2LL * nvec) + 16;
     const int m = (int)(want < 2048 ? want : 2048);
-    __syncthreads();
-    int level = 0;
+    // Two 11-bit levels from the sample's highest varying bit (a row's logits span few exponents: levels from
+    // bit 31 would put the sample in a few bins and serialise the shared-memory atomics on them); the threshold
+    // is the m-th largest sampled key's prefix of those bits.
+    unsigned lo = 0xffffffffu, hi = 0u;
 #pragma unroll
     for (int e = 0; e < 4 * kStreamSampleVecs; ++e)
-      if (skey[e] != 0u) atomicAdd(&s.base.hist[0][skey[e] >> 21], 1);
-    int bin, need, count;
-    find_bin(s.base.hist[0], s.base.hist[1], m, s.base, cluster, 1, bin, need, count);
-    ++level;
-    unsigned threshold = (unsigned)bin << 21;
-    if (count != need) {
-      const unsigned top = (unsigned)bin;
+      if (skey[e] != 0u) {
+        lo = min(lo, skey[e]);
+        hi = max(hi, skey[e]);
+      }
+    block_min_max<kThreads>(lo, hi, s.base);  // its barrier also orders the cleared histogram before the atomics
+    int sshift, level = 0, bin, need, count, m_rem = m;
+    unsigned sprefix;
+    radix_start(lo, hi, sshift, sprefix);
+    for (int pass = 0; pass < 2; ++pass) {
+      const int nshift = sshift > kBinBits ? sshift - kBinBits : 0;
+      const unsigned digit_mask = (1u << (sshift - nshift)) - 1u;
+      int* h = s.base.hist[level & 1];
 #pragma unroll
-      for (int e = 0; e < 4 * kStreamSampleVecs; ++e)
-        if (skey[e] != 0u && (skey[e] >> 21) == top) atomicAdd(&s.base.hist[1][(skey[e] >> 10) & 2047u], 1);
-      int bin2, need2, count2;
-      find_bin(s.base.hist[1], s.base.hist[0], need, s.base, cluster, 1, bin2, need2, count2);
+      for (int e = 0; e < 4 * kStreamSampleVecs; ++e) {
+        const unsigned kk = skey[e];
+        if (kk != 0u && (sshift >= 32 || (kk >> sshift) == sprefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+      }
+      find_bin(h, s.base.hist[(level + 1) & 1], m_rem, s.base, cluster, 1, bin, need, count);
       ++level;
-      threshold |= (unsigned)bin2 << 10;
+      sprefix = (sshift >= 32 ? 0u : (sprefix << (sshift - nshift))) | (unsigned)bin;
+      sshift = nshift;
+      m_rem = need;
+      if (count == need || sshift == 0) break;
     }
+    unsigned threshold = sprefix << sshift;
     if (threshold == 0u) threshold = 1u;  // key 0 marks padding, never a candidate
 
-    // ---- 2. one pass over the row: keys >= threshold to shared memory
-    const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: ballots see every lane
-    const unsigned lanes_below = (1u << lane) - 1u;
+    // ---- 2. one pass over the row: keys >= threshold to shared memory. Most keys are below the threshold, so
+    // the per-key work is one float compare and a count (the order of keys equals the order of floats above a
+    // threshold above -inf; a NaN compares false, as the -inf it ranks as); a warp reserves its slots with one
+    // shared atomic per batch (a warp scan of the lanes' counts), and only threads holding a candidate convert and
+    // store. (The first version took a warp ballot and an atomic per key: instruction-bound at 58 us for one
+    // 128K row, where one CTA reads the row in 12 us; benchmarks/results/topk_stream_pass_h200.json.)
+    const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: shuffles see every lane
     const int v_lo = start > base ? 1 : 0;  // the float4s wholly inside the window: [v_lo, v_hi)
     const int v_hi = (end - base) >> 2;
+    const bool float_compare = threshold > kNegInfKey;  // uniform; else the row's top reaches -inf / NaN
+    const float threshold_value = __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
+    unsigned cand_lo = 0xffffffffu, cand_hi = 0u;  // of the candidates (the select starts where they differ)
     for (int it0 = 0; it0 < iters; it0 += kStreamUnroll) {
       float4 q[kStreamUnroll];
-      if (p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi) {  // uniform
+      const bool inside = p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi;
+      if (inside) {  // uniform
 #pragma unroll
         for (int u = 0; u < kStreamUnroll; ++u)
           q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * ((it0 + u) * kThreads + t)));
@@ -538,37 +590,67 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
           q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
       }
-      unsigned key[kStreamUnroll][4];  // columns past the window (v >= nvec) get key 0 here too
+      // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
+      unsigned take = 0u;
+      if (inside && float_compare) {
 #pragma unroll
-      for (int u = 0; u < kStreamUnroll; ++u) keys4(q[u], base + 4 * ((it0 + u) * kThreads + t), start, end, key[u]);
+        for (int u = 0; u < kStreamUnroll; ++u) {
+          take |= (q[u].x >= threshold_value ? 1u : 0u) << (4 * u);
+          take |= (q[u].y >= threshold_value ? 2u : 0u) << (4 * u);
+          take |= (q[u].z >= threshold_value ? 4u : 0u) << (4 * u);
+          take |= (q[u].w >= threshold_value ? 8u : 0u) << (4 * u);
+        }
+      } else {  // the window's edges (columns outside it have key 0) or a threshold at -inf: compare keys
 #pragma unroll
-      for (int u = 0; u < kStreamUnroll; ++u) {
-        const int c0 = base + 4 * ((it0 + u) * kThreads + t);
+        for (int u = 0; u < kStreamUnroll; ++u) {
+          unsigned key[4];  // columns past the window (v >= nvec) get key 0 here too
+          keys4(q[u], base + 4 * ((it0 + u) * kThreads + t), start, end, key);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool take = key[u][i] >= threshold;
-          const unsigned mask = __ballot_sync(0xffffffffu, take);
-          if (mask != 0u) {
-            const int leader = __ffs(mask) - 1;
-            int first = 0;
-            if (lane == leader) first = atomicAdd(&s.n_cand, __popc(mask));
-            first = __shfl_sync(0xffffffffu, first, leader);
-            const int pos = first + __popc(mask & lanes_below);
-            if (take && pos < kStreamCandCap) {
-              s.cand_key[pos] = key[u][i];
-              s.cand_col[pos] = c0 + i;
-            }
+          for (int i = 0; i < 4; ++i) take |= (key[i] >= threshold ? 1u : 0u) << (4 * u + i);
+        }
+      }
+      const int mine = __popc(take);
+      int incl = mine;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
+      if (warp_total != 0) {  // uniform over the warp
+        int first = 0;
+        if (lane == 31) first = atomicAdd(&s.n_cand, warp_total);
+        first = __shfl_sync(0xffffffffu, first, 31);
+        int pos = first + incl - mine;
+        const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+        while (take != 0u) {  // this thread's candidates, lowest column first
+          const int bit = __ffs(take) - 1;
+          take &= take - 1u;
+          const int u = bit >> 2, i = bit & 3;
+          float4 v4 = zero;
+#pragma unroll
+          for (int uu = 0; uu < kStreamUnroll; ++uu) v4 = uu == u ? q[uu] : v4;  // registers: no local array
+          const float value = i == 0 ? v4.x : i == 1 ? v4.y : i == 2 ? v4.z : v4.w;
+          const unsigned kk = order_key(value);
+          cand_lo = min(cand_lo, kk);
+          cand_hi = max(cand_hi, kk);
+          if (pos < kStreamCandCap) {
+            s.cand_key[pos] = kk;
+            s.cand_col[pos] = base + 4 * ((it0 + u) * kThreads + t) + i;
           }
+          ++pos;
         }
       }
     }
-    __syncthreads();
+    block_min_max<kThreads>(cand_lo, cand_hi, s.base);  // its barrier: the candidates are complete
     const int n_cand = s.n_cand;
     const bool fast = n_cand >= p.k && n_cand <= kStreamCandCap;  // uniform
 
-    // ---- 3. exact radix select over the candidates (fast) or the row: as in the register kernel
+    // ---- 3. exact radix select over the candidates (fast: 11-bit levels from their highest varying bit) or the
+    // row (from bit 31): as in the register kernel
     unsigned prefix = 0u;
     int shift = 32;
+    if (fast) radix_start(cand_lo, cand_hi, shift, prefix);
     int k_rem = p.k;
     bool tie = false;
     while (true) {
@@ -785,35 +867,6 @@ __device__ __forceinline__ int prefill_scan(int mine, PrefillShared<T>& s, int p
     total += n;
   }
   return offset;
-}
-
-// The block's min and max of the threads' `lo` / `hi` (every thread gets them). Why: a radix select over keys that
-// share their high bits (the candidates are all >= one threshold; a row's logits span few exponents) would put them
-// all in a few bins of its first 11-bit level, serialising the shared-memory atomics; starting at the highest bit
-// where min and max differ spreads them over the bins and saves the levels above.
-template <int T>
-__device__ __forceinline__ void block_min_max(unsigned& lo, unsigned& hi, PrefillShared<T>& s) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  lo = __reduce_min_sync(0xffffffffu, lo);
-  hi = __reduce_max_sync(0xffffffffu, hi);
-  if (lane == 0) {
-    s.min_max[0][warp] = lo;
-    s.min_max[1][warp] = hi;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < T / 32; ++w) {
-    lo = min(lo, s.min_max[0][w]);
-    hi = max(hi, s.min_max[1][w]);
-  }
-}
-
-// The radix start for keys in [lo, hi]: the bits above the highest one where they differ are common (the class
-// prefix), so the first level reads the 11 bits below it.
-__device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift, unsigned& prefix) {
-  const unsigned diff = lo ^ hi;
-  shift = diff == 0u ? 0 : 32 - __clz(diff);
-  prefix = shift >= 32 ? 0u : hi >> shift;
 }
 
 // One pass over the row's window, prefill_unroll<T>() float4s per thread per step: sink(slot, key, column) for every
