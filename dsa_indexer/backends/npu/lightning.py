@@ -18,12 +18,17 @@ a compression ratio, so compressed (C4) keys are refused here (the registration'
 
 NaN: the kernels' top-k order of NaN is undefined (op-plugin's npu_quant_lightning_indexer doc says so), and the
 library's rule is that a NaN score ranks as -inf; so NaN must never reach the kernel. The keys are checked finite
-when k_prologue_store_plain.npu.torch_npu stores them (`prologue.py`); here q, its scales and the weights are checked
-on the host (this path is never captured in a CUDA-style graph), and under DSA_INDEXER_CHECK_RANGES=1 (or on CPU
-tensors) the whole key cache too, for caches that were filled some other way.
+when k_prologue_store_plain.npu.torch_npu stores them (`prologue.py`), on the device: the store runs inside the
+pipeline (on the side stream), where a host read would block the host before the q path is enqueued, so it stores
+bad rows as zeros and leaves their flags in `STORE_CHECKS`, which this scoring reads and raises on before its kernel.
+Here q, its scales and the weights are checked on the host (this path is never captured in a CUDA-style graph, and
+the streams have joined), and under DSA_INDEXER_CHECK_RANGES=1 (or on CPU tensors) the whole key cache too, for
+caches that were filled some other way.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -44,6 +49,59 @@ def require_finite(name: str, t: torch.Tensor, rows: torch.Tensor | None = None)
         f"{name} holds NaN or inf in {bad.numel()} of its {t.shape[0]} rows (rows {shown}"
         f"{' ...' if bad.numel() > 8 else ''}): torch_npu's indexers rank NaN in an undefined order and a NaN score "
         "must never be selected, so the NPU path refuses them")
+
+
+class StoreChecks:
+    """The stores' non-finite rows, as device flags per key cache, until the next scoring over that cache reads them
+    (`raise_pending`): the store itself never reads the host. A cache stored into many times without a scoring in
+    between keeps its last ``KEEP`` stores' rows and one summary flag for the older ones."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
+
+    @staticmethod
+    def _key(cache: torch.Tensor) -> int:
+        return cache.untyped_storage().data_ptr()
+
+    def record(self, cache: torch.Tensor, what: str, bad: torch.Tensor, rows: torch.Tensor | None = None,
+               from_input: torch.Tensor | None = None) -> None:
+        """``bad`` [N] bool: the stored rows (numbers ``rows``) that were not finite; ``from_input`` [N] bool: those
+        whose input row already was (the error then names it)."""
+        with self._lock:
+            entries = self._pending.setdefault(self._key(cache), [])
+            entries.append((what, bad, rows, from_input))
+            if len(entries) > self.KEEP:  # fold the oldest into one flag (device ops only)
+                old = entries[: len(entries) - self.KEEP + 1]
+                flag = torch.stack([e[1].any() for e in old]).any().view(1)
+                entries[: len(old)] = [("the keys of an earlier store", flag, None, None)]
+
+    def raise_pending(self, cache: torch.Tensor) -> None:
+        """Raise `IndexerInputError` for the first recorded store into ``cache`` that had non-finite rows (a host
+        read per store since the last scoring); forget them all either way."""
+        with self._lock:
+            entries = self._pending.pop(self._key(cache), [])
+        for what, bad, rows, from_input in entries:
+            if not bad.numel() or not bool(bad.any()):
+                continue
+            count = int(bad.sum())
+            if from_input is not None:
+                what = f"{what} (from {'k' if bool((bad & from_input).any()) else 'norm_weight / norm_bias or cos_sin'})"
+            where = (f"{count} rows" if rows is None else
+                     f"{count} of its {bad.numel()} rows (rows {rows[bad][:8].tolist()}{' ...' if count > 8 else ''})")
+            raise v.IndexerInputError(
+                f"{what} holds NaN or inf in {where}: torch_npu's indexers rank NaN in an undefined "
+                "order and a NaN score must never be selected, so the NPU path refuses them (found on the device by "
+                "k_prologue_store_plain.npu.torch_npu, raised at this scoring; those cache rows were written as 0)")
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pending.clear()
+
+
+STORE_CHECKS = StoreChecks()
 
 
 def _indices(result, rows: int, k: int) -> torch.Tensor:
@@ -80,6 +138,7 @@ def make_lightning_indexer_ragged(api_of):
             require_finite("weights * q_scales", (w.float() * scales.float()).to(torch.float16))
         else:
             require_finite("q", q)
+        STORE_CHECKS.raise_pending(key_cache)
         if v.ranges_checked(key_cache):  # the whole cache: only on request (or on the host), it is large
             require_finite("key_scales" if int8 else "key_cache", key_scales if int8 else key_cache)
         keywords = dict(actual_seq_lengths_query=cu_seqlens_q[1:].to(torch.int32).contiguous(),
