@@ -198,7 +198,7 @@ def test_schemas_that_do_not_take_the_adapters_call_are_refused_with_the_argumen
         setattr(module, name, getattr(namespace, name))
     api = npu_api.detect(module)
     assert npu_backend.torch_npu_probe() == (
-        "torch_npu (test operators: op-plugin master schemas) has neither npu_lightning_indexer nor "
+        "torch_npu (test operators: op-plugin master schemas) on Ascend910B3 has neither npu_lightning_indexer nor "
         f"npu_quant_lightning_indexer ({api.missing['npu_lightning_indexer']}; "
         f"{api.missing['npu_quant_lightning_indexer']})")
     for name, (_, words) in MISFITS.items():
