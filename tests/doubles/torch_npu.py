@@ -75,14 +75,15 @@ def _fail(message: str):
 # ----------------------------------------------------------------------------------------------- argument checks
 
 
-def _check_tensor(name, t, dtypes, ndim):
+def _check_tensor(name, t, dtypes, ndim, strided_axis0=False):
+    """``strided_axis0``: axis 0 may be strided (the quant indexer's PA_BSND key and key scales), the rest not."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         _fail(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
     if t.dim() != ndim:
         _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if not (t[0] if strided_axis0 and t.dim() > 1 and t.shape[0] else t).is_contiguous():
         _fail(f"{name} must be contiguous (non-contiguous input is not supported)")
 
 
@@ -325,7 +326,8 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
             _fail(f"float8_e4m3fn query / key are taken on Ascend 950PR / 950DT from 26.1.0 on, not by "
                   f"{_rules['release']} on {product()}")
         _check_tensor("query", query, (torch.float8_e4m3fn,), q_dim)
-        _check_tensor("key", key, (torch.float8_e4m3fn,), 3 if layout_key == "TND" else 4)
+        _check_tensor("key", key, (torch.float8_e4m3fn,), 3 if layout_key == "TND" else 4,
+                      strided_axis0=layout_key == "PA_BSND")
         pair = (weights.dtype, query_dequant_scale.dtype, key_dequant_scale.dtype)
         if pair not in ((torch.bfloat16, torch.float32, torch.float32), (torch.float16,) * 3):
             _fail(f"fp8 query / key take (bf16, fp32, fp32) or (fp16, fp16, fp16) weights / query_dequant_scale / "
@@ -334,7 +336,8 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
             _fail(f"Ascend 950 takes query heads {HEADS_950}, got {query.shape[-2]}")
     else:
         _check_tensor("query", query, (torch.int8,), q_dim)
-        _check_tensor("key", key, (torch.int8,), 3 if layout_key == "TND" else 4)
+        _check_tensor("key", key, (torch.int8,), 3 if layout_key == "TND" else 4,
+                      strided_axis0=layout_key == "PA_BSND")
         _check_tensor("weights", weights, (torch.float16,), q_dim - 1)
         _check_tensor("query_dequant_scale", query_dequant_scale, (torch.float16,), q_dim - 1)
         _check_heads_dim("query", query, HEADS_Q)
@@ -357,7 +360,7 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
         got = tuple(key_dequant_scale.shape) if isinstance(key_dequant_scale, torch.Tensor) else key_dequant_scale
         _fail(f"key_dequant_scale must have shape {tuple(key.shape[:-1])} or {tuple(key.shape[:-2])}, got {got}")
     _check_tensor("key_dequant_scale", key_dequant_scale, (torch.float32,) if fp8 else (torch.float16,),
-                  key_dequant_scale.dim())
+                  key_dequant_scale.dim(), strided_axis0=layout_key == "PA_BSND")
     _finite("weights", weights)
     for name, t in (("query_dequant_scale", query_dequant_scale), ("key_dequant_scale", key_dequant_scale)):
         if not bool((t >= 0).all()):  # also rejects NaN
