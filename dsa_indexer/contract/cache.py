@@ -127,17 +127,19 @@ def without_padding(slots: torch.Tensor, rows: Sequence[torch.Tensor],
                     current: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(slots, rows)`` ready for one scatter in which the padding tokens (slot < 0) change nothing, with no host
     sync (a boolean-mask selection would make one: its size depends on the values). Each padding row becomes a copy
-    of the first kept row, slot and values, so the scatter writes those bytes twice (the same bytes whatever order
-    it takes duplicates in); with no row kept, slot 0 is rewritten with what it holds (``current(slot [1])`` returns
-    each row tensor's entry [1, ...] at that slot). ``slots`` non-empty; every row tensor is [N, ...]."""
+    of the last kept row, slot and values, so the scatter writes those bytes again (the same bytes whatever order it
+    takes duplicates in; the last kept row, so where kept rows share a slot, an in-order scatter still leaves the
+    last one's bytes, as the selection did); with no row kept, slot 0 is rewritten with what it holds
+    (``current(slot [1])`` returns each row tensor's entry [1, ...] at that slot). ``slots`` non-empty; every row
+    tensor is [N, ...]."""
     keep = slots >= 0
-    first = keep.to(torch.int32).argmax().view(1)  # the first kept row (0 when none is)
+    last = (keep.numel() - 1 - keep.flip(0).to(torch.int32).argmax()).view(1)  # the last kept row (N - 1 if none)
     any_kept = keep.any()
     slots = slots.long()
-    anchor = torch.where(any_kept, slots.index_select(0, first), torch.zeros_like(first))
+    anchor = torch.where(any_kept, slots.index_select(0, last), torch.zeros_like(last))
     out = []
     for row, now in zip(rows, current(anchor)):
-        anchor_row = torch.where(any_kept, row.index_select(0, first), now.to(row.dtype))
+        anchor_row = torch.where(any_kept, row.index_select(0, last), now.to(row.dtype))
         out.append(torch.where(keep.view(-1, *([1] * (row.dim() - 1))), row, anchor_row))
     return torch.where(keep, slots, anchor), out
 
