@@ -9,6 +9,7 @@ from . import ops
 from .batch import DecodeBatch
 from .contract.cache import (E2M1_GRID, FP4_BLOCK, HEAD_DIM, LAYOUT_PAGED64_FP4, PAGE_SIZE, IndexKCache,
                              pack_e2m1, page_views, store_fp4_rows, ue8m0_bytes)
+from .contract.validate import CPU_AS_DEVICE
 from .dispatch.platform import platform_of
 from .compressor import CompressorState
 from .config import IndexerConfig
@@ -675,3 +676,70 @@ def _reference_function(registry, op: str):
     if impl is None:
         raise ValueError(f"{op} has no reference implementation registered ({ref_id})")
     return impl.factory()
+
+
+# --- host syncs inside a step ------------------------------------------------------------------------------------
+class HostSyncError(AssertionError):
+    """A tensor's value was read on the host (or a shape made to depend on values) inside `forbid_host_syncs`."""
+
+
+# Reading a value on the host, or an op whose output shape depends on the values (the host must wait for the device
+# to know how much to allocate). On a GPU or NPU each one blocks the host until the device catches up, so nothing
+# queued after it (the other stream's work, the next launch) is enqueued early: the overlap a second stream was for
+# is lost, and a graph capture fails.
+_READS = frozenset({"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+                    "__array__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
+                    "nonzero_static_without_size"})
+
+
+def _has_mask(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class _HostSyncGuard(torch.overrides.TorchFunctionMode):
+    def __init__(self, where: str, cpu_as_device: bool) -> None:
+        super().__init__()
+        self.where = where
+        self.cpu_as_device = cpu_as_device
+        self._token = None
+
+    def __enter__(self):
+        if self.cpu_as_device:
+            self._token = CPU_AS_DEVICE.set(True)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._token is not None:
+                CPU_AS_DEVICE.reset(self._token)
+                self._token = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        what = None
+        if name in _READS:
+            what = f"{name}()"
+        elif name in ("__getitem__", "__setitem__") and len(args) > 1 and _has_mask(args[1]):
+            what = f"{name} with a boolean mask (its result's size depends on the values)"
+        elif name == "where" and len(args) + len(kwargs) == 1:
+            what = "where(condition) (nonzero)"
+        elif name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"),
+                                                        torch.Tensor) and kwargs.get("output_size") is None:
+            what = "repeat_interleave with tensor repeats and no output_size"
+        if what is not None:
+            raise HostSyncError(f"host sync inside {self.where}: {what} reads a device tensor's values on the host")
+        return func(*args, **kwargs)
+
+
+def forbid_host_syncs(where: str = "a step", cpu_as_device: bool = True):
+    """A context in which every host read of a tensor's value raises `HostSyncError`: ``.item()``, ``.tolist()``,
+    ``bool(t)`` / ``int(t)`` / ``float(t)``, ``nonzero``, indexing by a boolean mask, ``unique`` and the other ops
+    whose result size depends on the values. Device-agnostic (a torch function mode), so CPU tests catch the syncs
+    a GPU or NPU run would make: wrap a pipeline strategy or any op that must only enqueue work. With
+    ``cpu_as_device`` (the default) CPU tensors count as device tensors for the library's value checks too
+    (`contract.validate.ranges_checked` answers as on a GPU without ``DSA_INDEXER_CHECK_RANGES``)."""
+    return _HostSyncGuard(where, cpu_as_device)

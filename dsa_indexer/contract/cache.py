@@ -26,6 +26,7 @@ scale words, one per token: the four ue8m0 bytes of its blocks of 32 (block b in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -122,13 +123,37 @@ def page_views(kv_cache: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m
     return keys, scales
 
 
+def without_padding(slots: torch.Tensor, rows: Sequence[torch.Tensor],
+                    current: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(slots, rows)`` ready for one scatter in which the padding tokens (slot < 0) change nothing, with no host
+    sync (a boolean-mask selection would make one: its size depends on the values). Each padding row becomes a copy
+    of the last kept row, slot and values, so the scatter writes those bytes again (the same bytes whatever order it
+    takes duplicates in; the last kept row, so where kept rows share a slot, an in-order scatter still leaves the
+    last one's bytes, as the selection did); with no row kept, slot 0 is rewritten with what it holds
+    (``current(slot [1])`` returns each row tensor's entry [1, ...] at that slot). ``slots`` non-empty; every row
+    tensor is [N, ...]."""
+    keep = slots >= 0
+    last = (keep.numel() - 1 - keep.flip(0).to(torch.int32).argmax()).view(1)  # the last kept row (N - 1 if none)
+    any_kept = keep.any()
+    slots = slots.long()
+    anchor = torch.where(any_kept, slots.index_select(0, last), torch.zeros_like(last))
+    out = []
+    for row, now in zip(rows, current(anchor)):
+        anchor_row = torch.where(any_kept, row.index_select(0, last), now.to(row.dtype))
+        out.append(torch.where(keep.view(-1, *([1] * (row.dim() - 1))), row, anchor_row))
+    return torch.where(keep, slots, anchor), out
+
+
 def store_rows(kv_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
     """Write ``k_fp8[i]`` and ``k_scale[i]`` into slot ``slots[i]``; slots < 0 (padding tokens) are skipped."""
+    if not slots.numel():
+        return
     keys, scales = page_views(kv_cache, k_fp8.dtype)
-    keep = slots >= 0
-    slots = slots[keep].long()
-    keys[slots // PAGE_SIZE, slots % PAGE_SIZE] = k_fp8[keep]
-    scales[slots // PAGE_SIZE, slots % PAGE_SIZE] = k_scale.reshape(-1)[keep].float()
+    slots, (k_fp8, k_scale) = without_padding(
+        slots, (k_fp8, k_scale.reshape(-1).float()),
+        lambda at: (keys[at // PAGE_SIZE, at % PAGE_SIZE], scales[at // PAGE_SIZE, at % PAGE_SIZE]))
+    keys[slots // PAGE_SIZE, slots % PAGE_SIZE] = k_fp8
+    scales[slots // PAGE_SIZE, slots % PAGE_SIZE] = k_scale
 
 
 def gather_rows(kv_cache: torch.Tensor, slots: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn
@@ -254,11 +279,17 @@ def store_plain_rows(key_cache: torch.Tensor, key_scales: torch.Tensor, slots: t
                      scales: torch.Tensor | None = None) -> None:
     """Write ``keys[i]`` (and ``scales[i]`` for int8) into slot ``slots[i]`` of a plain ``[pages, 64, 1, 128]``
     cache; slots < 0 (padding tokens) are skipped."""
-    keep = slots >= 0
-    rows = slots[keep].long()
-    key_cache.view(-1, key_cache.shape[-1])[rows] = keys[keep].to(key_cache.dtype)
-    if scales is not None:
-        key_scales.view(-1)[rows] = scales.reshape(-1)[keep].to(key_scales.dtype)
+    if not slots.numel():
+        return
+    flat = key_cache.view(-1, key_cache.shape[-1])
+    if scales is None:
+        rows, (keys,) = without_padding(slots, (keys.to(key_cache.dtype),), lambda at: (flat[at],))
+    else:
+        flat_scales = key_scales.view(-1)
+        rows, (keys, scales) = without_padding(slots, (keys.to(key_cache.dtype), scales.reshape(-1).to(key_scales.dtype)),
+                                               lambda at: (flat[at], flat_scales[at]))
+        flat_scales[rows] = scales
+    flat[rows] = keys
 
 
 def gather_plain_keys(key_cache: torch.Tensor, key_scales: torch.Tensor, block_table_row: torch.Tensor,

@@ -198,7 +198,7 @@ def test_schemas_that_do_not_take_the_adapters_call_are_refused_with_the_argumen
         setattr(module, name, getattr(namespace, name))
     api = npu_api.detect(module)
     assert npu_backend.torch_npu_probe() == (
-        "torch_npu (test operators: op-plugin master schemas) has neither npu_lightning_indexer nor "
+        "torch_npu (test operators: op-plugin master schemas) on Ascend910B3 has neither npu_lightning_indexer nor "
         f"npu_quant_lightning_indexer ({api.missing['npu_lightning_indexer']}; "
         f"{api.missing['npu_quant_lightning_indexer']})")
     for name, (_, words) in MISFITS.items():
@@ -301,27 +301,69 @@ def _store(args):
                                key_format="bf16", target="npu")
 
 
-def test_nan_keys_never_reach_the_npu_cache(probed):
-    probed()
-    _force({"k_prologue_store_plain": NPU_STORE})
+def _score_over(args, format="bf16"):
+    """A scoring over the stored cache through the NPU indexer (where the store's device-side check is raised)."""
+    q = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(8))
+    if format == "bf16":
+        q, q_scales = q.to(torch.bfloat16), torch.empty(0, dtype=torch.float16)
+    else:
+        q, q_scales = (q * 30).round().clamp(-127, 127).to(torch.int8), torch.full((2, 64), 0.01).half()
+    return ops.lightning_indexer_ragged(q, q_scales, args["key_cache"], args["key_scales"], torch.rand(2, 64),
+                                        torch.tensor([0, 2], dtype=torch.int32), torch.tensor([70], dtype=torch.int32),
+                                        torch.tensor([[0, 1]], dtype=torch.int32), 16, target="npu")
+
+
+def test_nan_keys_never_reach_the_npu_indexer(probed):
+    """The store checks on the device (no host read inside a pipeline step): it writes a non-finite row as zeros,
+    and the next scoring over that cache raises naming the rows, before torch_npu's indexer runs."""
+    module = probed()
+    _force({"k_prologue_store_plain": NPU_STORE, "lightning_indexer_ragged": NPU_INDEXER})
     gen = torch.Generator().manual_seed(4)
     args = _store_args(gen)
     args["k"][5, 7] = float("nan")
+    _store(args)  # no error yet: the store only enqueues work
+    assert not bool(args["key_cache"].isnan().any()) and not bool(args["key_cache"].view(-1, 128)[5].any())
+    before = len(module.calls)
     with pytest.raises(IndexerInputError, match=r"the keys to store \(from k\) holds NaN or inf in 1 of its 70 rows "
                                                  r"\(rows \[5\]\)"):
-        _store(args)
-    assert not bool(args["key_cache"].isnan().any())  # nothing was written
+        _score_over(args)
+    assert not any(c[0] == "npu_lightning_indexer" for c in module.calls[before:])
+    _score_over(args)  # reported once: the cache holds zeros there now, finite
     args = _store_args(gen)
     args["norm_weight"][3] = float("inf")
+    _store(args)
     with pytest.raises(IndexerInputError, match="from norm_weight / norm_bias or cos_sin"):
-        _store(args)
+        _score_over(args)
     args = _store_args(gen)
     args["k"][9] = float("nan")
     args["slot_mapping"][9] = -1  # a padding row stores nothing: its garbage is no error
+    args["slot_mapping"][10] = -1
+    kept = args["key_cache"].view(-1, 128)[9:11].clone()
     _store(args)
     assert bool(torch.isfinite(args["key_cache"].float()).all())
+    assert torch.equal(args["key_cache"].view(-1, 128)[9:11], kept)  # padding rows changed nothing
+    _score_over(args)
 
 
+def test_the_int8_store_and_q_prologue_refuse_nan_at_the_scoring(probed):
+    probed()
+    _force({"k_prologue_store_plain": NPU_STORE, "lightning_indexer_ragged": NPU_INDEXER, "q_prologue_plain": NPU_Q})
+    gen = torch.Generator().manual_seed(9)
+    args = _store_args(gen)
+    args["key_cache"] = torch.zeros(2, 64, 1, 128, dtype=torch.int8)
+    args["key_scales"] = torch.zeros(2, 64, 1, dtype=torch.float16)
+    args["norm_weight"] = torch.full((128,), 1e7)  # normed keys ~1e7: int8 scales past fp16's 65504 (inf there)
+    ops.k_prologue_store_plain(args["k"], args["norm_weight"], args["norm_bias"], args["eps"], args["positions"],
+                               args["cos_sin"], args["key_cache"], args["key_scales"], args["slot_mapping"],
+                               key_format="int8", target="npu")
+    with pytest.raises(IndexerInputError, match=r"^the key scales to store \(fp16\) holds NaN or inf in 70 of"):
+        _score_over(args, "int8")
+    q = torch.randn(3, 64, 128, generator=gen).to(torch.bfloat16)
+    q[1, 2, 0] = float("nan")
+    cos_sin = _cos_sin(3, 64, gen)
+    q_int8, scales, _ = ops.q_prologue_plain(q, torch.arange(3), cos_sin, torch.rand(3, 64), 1.0, key_format="int8",
+                                             target="npu")
+    assert torch.isnan(scales).nonzero().tolist() == [[1, 2]]  # that (token, head) only, for the scoring to refuse
 def _indexer_args(gen):
     q = torch.randn(3, 64, 128, generator=gen).to(torch.bfloat16)
     cache = torch.randn(2, 64, 1, 128, generator=gen).to(torch.bfloat16)

@@ -338,7 +338,12 @@ def test_npu_resolves_the_fp8_ops_to_the_reference_with_reasons(registry, torch_
     accelerated candidate saying why, and a fallback. The plain-layout ops: tests/backends/test_npu_backend.py."""
     env = Environment.simulated(gpu=True, triton=True, torch_npu=torch_npu, aiter=True)
     plain = {"q_prologue_plain", "k_prologue_store_plain", "lightning_indexer_ragged", "indexer_pipeline"}
-    for op in sorted(set(registry.ops()) - plain):
+    # lightning_indexer reads the fp8 pages on Ascend 950 only: unknown without the probe, so refused, with why
+    res = registry.resolve("lightning_indexer", NPU, Problem(), environment=env)
+    assert res.chosen.vendor == "generic"
+    reason = _candidate(res, "lightning_indexer.npu.torch_npu_fp8").reason
+    assert ("known only after the torch_npu probe" in reason) if torch_npu else ("torch_npu" in reason), reason
+    for op in sorted(set(registry.ops()) - plain - {"lightning_indexer"}):
         res = registry.resolve(op, NPU, Problem(), environment=env)
         assert res.chosen is not None and res.chosen.vendor in ("reference", "generic"), op
         assert not [c for c in res.candidates if c.impl.vendor == "npu"], op
@@ -853,3 +858,23 @@ def test_old_aiter_page_size_one_paged_kernel_is_not_adapted(monkeypatch):
     assert paged.find_kernel() is None
     with pytest.raises(RuntimeError, match="lacks parameters"):
         paged.make_paged_mqa_logits("kernel", OldKernel())
+
+
+# --- issue 40 item 3: aiter main's V4 kernels, refused in the registry with the reason ------------------------------
+@pytest.mark.parametrize("op", ["paged_mqa_logits", "ragged_mqa_logits"])
+def test_fp4_keys_name_aiters_flydsl_fp4_kernel_and_why_not(registry, op):
+    problem = Problem(heads=64, dim=128, fp8="fn", keys="fp4", next_n=1)
+    res = registry.resolve(op, GFX950, problem, environment=WITH_AITER)
+    reason = _candidate(res, f"{op}.rocm.aiter").reason
+    assert "flydsl_pa_mqa_logits_fp4" in reason and "preshuffled FP4 cache" in reason and "68-byte" in reason
+    assert res.chosen.impl_id != f"{op}.rocm.aiter"
+
+
+def test_aiters_v4_q_kernels_and_flydsl_fp8_logits_are_refused_with_their_reasons(registry):
+    for op, words in (("q_prologue", ("rope_rotate_activation", "240 on e4m3fnuz", "1e-10", "weight fold")),
+                      ("q_prologue_fp4", ("rope_rotate_activation", "rounds both to bf16", "packed e2m1"))):
+        assert all(w in rocm_backend.UNREGISTERED[op] for w in words), op
+        res = registry.resolve(op, GFX950, Problem(), environment=WITH_AITER)
+        assert not [c for c in res.candidates if c.impl.vendor == "rocm"] and res.chosen is not None
+    ragged = next(i for i in registry.implementations("ragged_mqa_logits") if i.impl_id == "ragged_mqa_logits.rocm.aiter")
+    assert "flydsl_fp8_mqa_logits" in ragged.info["not_used"]

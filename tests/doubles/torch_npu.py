@@ -40,6 +40,7 @@ Choices where torch_npu documents nothing (the tests pin them):
 * a block_table passed with a layout_key other than PA_BSND is an error (it would be silently unused).
 """
 
+import contextlib
 import functools
 import importlib.machinery
 import inspect
@@ -74,14 +75,15 @@ def _fail(message: str):
 # ----------------------------------------------------------------------------------------------- argument checks
 
 
-def _check_tensor(name, t, dtypes, ndim):
+def _check_tensor(name, t, dtypes, ndim, strided_axis0=False):
+    """``strided_axis0``: axis 0 may be strided (the quant indexer's PA_BSND key and key scales), the rest not."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         _fail(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
     if t.dim() != ndim:
         _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if not (t[0] if strided_axis0 and t.dim() > 1 and t.shape[0] else t).is_contiguous():
         _fail(f"{name} must be contiguous (non-contiguous input is not supported)")
 
 
@@ -229,6 +231,37 @@ def _run(spans, key_rows, lengths, out_prefix, k, sparse_mode, score, return_val
     return indices, (values.reshape(*out_prefix, k) if return_value else torch.empty(0))
 
 
+# ----------------------------------------------------------------------------------------------- release and product
+# What each op-plugin release's docs let the indexers take, by Ascend product (the docs at the commits in
+# tests/data/torch_npu_schemas.json, `docs/zh/custom_APIs/torch_npu/torch_npu-npu_(quant_)lightning_indexer.md`):
+# * npu_lightning_indexer weights: 7.3.0 the query's dtype only; 26.0.0, 26.1.0, master also float32, which
+#   26.1.0 and master refuse on Ascend 950PR / 950DT ("参数weights不支持float32类型");
+# * npu_quant_lightning_indexer: int8 query / key with fp16 weights and scales (A2 / A3, and 950); float8_e4m3fn
+#   query / key on Ascend 950PR / 950DT only, in 26.1.0 and master, with (bf16 weights, fp32 scales) or all fp16;
+#   950 takes query heads 8, 16, 24, 32 or 64; PA_BSND key and key_dequant_scale may be non-contiguous on axis 0.
+# The product is read as torch_npu's own test helper reads it: the device name's prefix ("Ascend910B": A2,
+# "Ascend910_93": A3, "Ascend950": 950PR / 950DT).
+DEFAULT_RELEASE = "op-plugin master"
+FP32_WEIGHTS_RELEASES = ("op-plugin 26.0.0", "op-plugin 26.1.0", "op-plugin master")
+FP8_RELEASES = ("op-plugin 26.1.0", "op-plugin master")
+HEADS_950 = (8, 16, 24, 32, 64)
+_rules = {"release": DEFAULT_RELEASE}
+
+
+@contextlib.contextmanager
+def release_rules(release: str):
+    previous, _rules["release"] = _rules["release"], release
+    try:
+        yield
+    finally:
+        _rules["release"] = previous
+
+
+def product() -> str:
+    name = str(getattr(getattr(torch, "npu", None), "get_device_name", lambda *a: "")(0) or "")
+    return "950" if name.startswith("Ascend950") else "a3" if name.startswith("Ascend910_93") else "a2"
+
+
 # ----------------------------------------------------------------------------------------------- the ops
 
 
@@ -244,11 +277,15 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
     _check_attrs(layout_query, layout_key, sparse_count, sparse_mode)
     q_dim = 3 if layout_query == "TND" else 4
     _check_tensor("query", query, _FLOATS, q_dim)
+    fp32_weights = isinstance(weights, torch.Tensor) and weights.dtype == torch.float32
+    if fp32_weights and (_rules["release"] not in FP32_WEIGHTS_RELEASES or product() == "950"):
+        _fail(f"float32 weights are not taken by {_rules['release']} on this product ({product()}): its docs list "
+              "them from 26.0.0 on, and not on Ascend 950PR / 950DT")
     for name, t in (("key", key), ("weights", weights)):
-        if isinstance(t, torch.Tensor) and t.dtype != query.dtype:
+        if isinstance(t, torch.Tensor) and t.dtype != query.dtype and not (name == "weights" and fp32_weights):
             _fail(f"{name} dtype {t.dtype} must match query dtype {query.dtype}")
     _check_tensor("key", key, _FLOATS, 3 if layout_key == "TND" else 4)
-    _check_tensor("weights", weights, _FLOATS, q_dim - 1)
+    _check_tensor("weights", weights, _FLOATS + (torch.float32,), q_dim - 1)
     _check_heads_dim("query", query, HEADS_Q)
     _check_heads_dim("key", key, HEADS_K)
     if weights.shape != query.shape[:-1]:
@@ -275,19 +312,46 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
                                 block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
                                 sparse_mode=3, pre_tokens=NO_LIMIT, next_tokens=NO_LIMIT, query_dtype=None,
                                 key_dtype=None):
-    """Per-token-head int8 indexer (A2 / A3: int8 query and key, fp16 weights and scales) -> sparse_indices."""
+    """Per-token-head quant indexer -> sparse_indices: int8 query and key with fp16 weights and scales (A2 / A3 /
+    950), or on Ascend 950 (26.1.0 on) float8_e4m3fn ones with bf16 weights and fp32 scales (or all fp16)."""
     _check_attrs(layout_query, layout_key, sparse_count, sparse_mode)
     if query_quant_mode != 0 or key_quant_mode != 0:
         _fail(f"query_quant_mode/key_quant_mode must be 0 (per-token-head), got {query_quant_mode}/{key_quant_mode}")
     if query_dtype is not None or key_dtype is not None:
-        _fail("query_dtype / key_dtype (fp8 / hifloat8 inputs on Ascend 950) are not emulated: pass None")
+        _fail("query_dtype / key_dtype (hifloat8 inputs on Ascend 950) are not emulated: pass None")
     q_dim = 3 if layout_query == "TND" else 4
-    _check_tensor("query", query, (torch.int8,), q_dim)
-    _check_tensor("key", key, (torch.int8,), 3 if layout_key == "TND" else 4)
-    _check_tensor("weights", weights, (torch.float16,), q_dim - 1)
-    _check_tensor("query_dequant_scale", query_dequant_scale, (torch.float16,), q_dim - 1)
-    _check_heads_dim("query", query, HEADS_Q)
+    fp8 = isinstance(query, torch.Tensor) and query.dtype == torch.float8_e4m3fn
+    if fp8:
+        if _rules["release"] not in FP8_RELEASES or product() != "950":
+            _fail(f"float8_e4m3fn query / key are taken on Ascend 950PR / 950DT from 26.1.0 on, not by "
+                  f"{_rules['release']} on {product()}")
+        _check_tensor("query", query, (torch.float8_e4m3fn,), q_dim)
+        _check_tensor("key", key, (torch.float8_e4m3fn,), 3 if layout_key == "TND" else 4,
+                      strided_axis0=layout_key == "PA_BSND")
+        pair = (weights.dtype, query_dequant_scale.dtype, key_dequant_scale.dtype)
+        if pair not in ((torch.bfloat16, torch.float32, torch.float32), (torch.float16,) * 3):
+            _fail(f"fp8 query / key take (bf16, fp32, fp32) or (fp16, fp16, fp16) weights / query_dequant_scale / "
+                  f"key_dequant_scale, got {pair}")
+        if query.shape[-2] not in HEADS_950:
+            _fail(f"Ascend 950 takes query heads {HEADS_950}, got {query.shape[-2]}")
+    else:
+        _check_tensor("query", query, (torch.int8,), q_dim)
+        _check_tensor("key", key, (torch.int8,), 3 if layout_key == "TND" else 4,
+                      strided_axis0=layout_key == "PA_BSND")
+        _check_tensor("weights", weights, (torch.float16,), q_dim - 1)
+        _check_tensor("query_dequant_scale", query_dequant_scale, (torch.float16,), q_dim - 1)
+        _check_heads_dim("query", query, HEADS_Q)
+    if query.shape[-1] != HEAD_DIM:
+        _fail(f"query head dim D must be {HEAD_DIM}, got {query.shape[-1]}")
     _check_heads_dim("key", key, HEADS_K)
+    for name, t in (("query", query), ("weights", weights), ("query_dequant_scale", query_dequant_scale)):
+        if not t.is_contiguous():
+            _fail(f"{name} must be contiguous")
+    for name, t in (("key", key), ("key_dequant_scale", key_dequant_scale)):
+        # PA_BSND: axis 0 may be strided (the pages of a larger cache), every other axis contiguous
+        inner = t[0] if layout_key == "PA_BSND" and t.dim() > 1 and t.shape[0] else t
+        if not inner.is_contiguous():
+            _fail(f"{name} must be contiguous{' past axis 0' if layout_key == 'PA_BSND' else ''}")
     for name, t in (("weights", weights), ("query_dequant_scale", query_dequant_scale)):
         if t.shape != query.shape[:-1]:
             _fail(f"{name} must have shape {tuple(query.shape[:-1])} (query without D), got {tuple(t.shape)}")
@@ -295,7 +359,8 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
                                                                                          key.shape[:-2]):
         got = tuple(key_dequant_scale.shape) if isinstance(key_dequant_scale, torch.Tensor) else key_dequant_scale
         _fail(f"key_dequant_scale must have shape {tuple(key.shape[:-1])} or {tuple(key.shape[:-2])}, got {got}")
-    _check_tensor("key_dequant_scale", key_dequant_scale, (torch.float16,), key_dequant_scale.dim())
+    _check_tensor("key_dequant_scale", key_dequant_scale, (torch.float32,) if fp8 else (torch.float16,),
+                  key_dequant_scale.dim(), strided_axis0=layout_key == "PA_BSND")
     _finite("weights", weights)
     for name, t in (("query_dequant_scale", query_dequant_scale), ("key_dequant_scale", key_dequant_scale)):
         if not bool((t >= 0).all()):  # also rejects NaN
@@ -305,11 +370,16 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
                                                                       ).to(torch.float16))
     spans, out_prefix = _query_spans(layout_query, query, actual_seq_lengths_query)
     key_rows, lengths = _key_rows(layout_key, key, actual_seq_lengths_key, block_table, len(spans))
+    if fp8:
+        _finite("query", query)
+        for kr in key_rows:
+            _finite("key (the rows a request reads)", key.reshape(-1, HEAD_DIM)[kr])
     # int8 . int8 over D = 128 is at most 2**21 in magnitude: exact in fp32 whatever the summation order.
-    q = query.reshape(-1, HEADS_Q, HEAD_DIM).float()
-    k = key.reshape(-1, HEAD_DIM).float()
-    w = weights.reshape(-1, HEADS_Q).float()
-    qs = query_dequant_scale.reshape(-1, HEADS_Q).float()
+    heads = query.shape[-2]
+    q = query.reshape(-1, heads, HEAD_DIM).float()
+    k = key.reshape(-1, HEAD_DIM).float()  # a copy when axis 0 is strided: the keys, row by row
+    w = weights.reshape(-1, heads).float()
+    qs = query_dequant_scale.reshape(-1, heads).float()
     ks = key_dequant_scale.reshape(-1).float()
 
     def score(q_rows, k_rows):
@@ -430,9 +500,9 @@ def _namespace(release: str) -> str:
     return "dsa_npu_test_" + re.sub(r"[^0-9a-zA-Z]+", "_", release).strip("_").lower()
 
 
-def _kernel(name, schema, calls):
+def _kernel(name, schema, calls, release=None):
     """A CPU kernel for ``schema`` that records the bound call (defaults filled in) and runs the double's function
-    of the same name."""
+    of the same name, under ``release``'s documented dtype rules (`release_rules`)."""
     fn = FUNCTIONS[name]
     params = inspect.signature(fn).parameters
     arg_names = [a.name for a in schema.arguments]
@@ -451,7 +521,8 @@ def _kernel(name, schema, calls):
         if unknown:
             _fail(f"{name}: the schema passes {sorted(unknown)}, which this double does not emulate")
         positional = [p for p in params.values() if p.kind != p.KEYWORD_ONLY]
-        return fn(*[bound.pop(p.name) for p in positional if p.name in bound], **bound)
+        with release_rules(release or DEFAULT_RELEASE):
+            return fn(*[bound.pop(p.name) for p in positional if p.name in bound], **bound)
 
     return kernel
 
@@ -468,7 +539,7 @@ def schema_ops(release: str = "op-plugin master"):
         for name, text in SCHEMAS["schemas"][release].items():
             lib.define(text)
             packet = getattr(getattr(torch.ops, ns), name)
-            lib.impl(name, _kernel(name, packet.default._schema, calls), "CPU")
+            lib.impl(name, _kernel(name, packet.default._schema, calls, release), "CPU")
         _registered[release] = (lib, ns, calls)
     _, ns, calls = _registered[release]
     return getattr(torch.ops, ns), calls

@@ -12,8 +12,13 @@ layout (`Indexer.allocate_cache` picks it on target ``npu``):
   int8 by ``npu_dynamic_quant``, the store by ``npu_scatter_nd_update_`` (`prologue.py`).
 * ``indexer_pipeline.npu.two_stream`` (100): the k path on a side NPU stream (`pipeline.py`).
 
-The fp8 ops are not registered (``UNREGISTERED`` says why), so an fp8-layout cache on npu resolves to the reference,
-which strict mode refuses; so does V4's compressor pooling (``c4_compress_pool``), which has no torch_npu kernel.
+* ``lightning_indexer.npu.torch_npu_fp8`` (200): the fp8 132-byte pages read in place by
+  ``npu_quant_lightning_indexer``'s fp8 path, on Ascend 950PR / 950DT only (op-plugin 26.1.0 on; checked once on the
+  device when first resolved, since 26.0.0 has the same schema without that path).
+
+The other fp8 ops are not registered (``UNREGISTERED`` says why), so an fp8-layout cache on npu runs its prologues
+and store on the reference, which strict mode refuses; so does V4's compressor pooling (``c4_compress_pool``), which
+has no torch_npu kernel.
 Nothing here has run on Ascend hardware: the CPU tests run the adapters through operators registered with
 torch.library under torch_npu's published schemas (tests/data/torch_npu_schemas.json) and through a plain-Python
 double (tests/doubles/torch_npu.py); docs/backends-amd-npu.md says what each registration was checked against.
@@ -42,8 +47,6 @@ PIPELINE_PRIORITY = 100
 HEADS, HEAD_DIM, MAX_K = 64, 128, 2048  # what torch_npu's indexer kernels take (query heads, dim, sparse_count)
 
 UNREGISTERED = {
-    "lightning_indexer": "reads the fp8 132-byte pages; torch_npu's indexers read the plain layouts "
-                         "(lightning_indexer_ragged.npu.torch_npu serves those)",
     "paged_mqa_logits": "no torch_npu kernel returns the logits themselves (its indexers fuse the top-k)",
     "ragged_mqa_logits": "as paged_mqa_logits",
     "ragged_mqa_topk": "reads the fp8 keys; torch_npu's indexers read the plain layouts (lightning_indexer_ragged)",
@@ -159,6 +162,12 @@ def _prologue_supports(store: bool):
     return check
 
 
+def _fp8_pages_supports(problem: Problem, target: Target) -> list[str] | str | None:
+    from .lightning import fp8_supports
+
+    return fp8_supports(problem, LIBRARY.detected_api())
+
+
 def _plain_cache_only(problem: Problem, target: Target) -> str | None:
     layout = problem.get("cache")
     if layout in (None, "paged64_bf16", "paged64_int8"):
@@ -186,6 +195,18 @@ def dsa_indexer_register(registry: Registry) -> None:
 
         return make_q_prologue_plain(detected_api)
 
+    def fp8_factory():
+        from .lightning import check_fp8_adapter, make_lightning_indexer_fp8
+
+        fn = make_lightning_indexer_fp8(detected_api)
+        api = detected_api()
+        try:  # op-plugin 26.0.0 has the same schema but no fp8 path: one call on the device tells
+            check_fp8_adapter(fn, api.device)
+        except Exception as exc:  # noqa: BLE001 - the registry marks it broken with this reason and falls back
+            raise RuntimeError(f"{api.describe()}: npu_quant_lightning_indexer's fp8 check failed "
+                               f"({type(exc).__name__}: {exc})") from exc
+        return fn
+
     def pipeline_factory():
         from .pipeline import make_two_stream
 
@@ -196,6 +217,15 @@ def dsa_indexer_register(registry: Registry) -> None:
                             supports=_indexer_api_supports,
                             description="torch_npu npu_lightning_indexer (bf16) / npu_quant_lightning_indexer (int8)"
                             )(indexer_factory)
+    registry.implementation("lightning_indexer", impl_id="lightning_indexer.npu.torch_npu_fp8", targets=("npu",),
+                            priority=NPU_PRIORITY, requires=requires, supports=_fp8_pages_supports,
+                            description="torch_npu npu_quant_lightning_indexer, fp8 query and keys (Ascend 950PR / "
+                                        "950DT): the fp8 132-byte pages read in place",
+                            info={"vendor_function": "torch_npu.npu_quant_lightning_indexer (float8_e4m3fn, "
+                                                     "op-plugin 26.1.0 09024aa9 / master 517f2e7d docs)",
+                                  "weights": "sign(w) as bf16 weights, |w| as the fp32 query_dequant_scale: exact",
+                                  "ties": "the kernel's (undocumented) order among equal scores"}
+                            )(fp8_factory)
     registry.implementation("k_prologue_store_plain", impl_id="k_prologue_store_plain.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
                             supports=_prologue_supports(store=True),

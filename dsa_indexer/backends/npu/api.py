@@ -148,6 +148,33 @@ def resolve(module: ModuleType, op: str) -> tuple[Callable | None, OpSignature |
     return None, None, f"{op} does not take the adapter's call ({'; '.join(reasons)})"
 
 
+# The Ascend product, from the device name's prefix as torch_npu's own test helper (``SupportedDevices``, used by
+# op-plugin's tests of these ops) reads it. It decides what the indexers take (op-plugin's docs, per product).
+PRODUCT_PREFIXES = (("Ascend950", "950"), ("Ascend910_93", "a3"), ("Ascend910B", "a2"))
+PRODUCT_NAMES = {"950": "Ascend 950PR / 950DT", "a3": "Atlas A3", "a2": "Atlas A2"}
+
+
+def product_of(device_name: str | None) -> str | None:
+    """"950", "a3", "a2" or None (another or an unknown product)."""
+    name = device_name or ""
+    return next((product for prefix, product in PRODUCT_PREFIXES if name.startswith(prefix)), None)
+
+
+def _device() -> tuple[str | None, torch.device]:
+    """(the NPU's device name, the device the probe's checks run on); a torch.npu without devices (or one that
+    fails) gives (None or its name, the CPU)."""
+    npu = getattr(torch, "npu", None)
+    try:
+        name = str(npu.get_device_name(0)) if npu is not None else None
+    except Exception:  # noqa: BLE001 - an unreadable name is an unknown product
+        name = None
+    try:
+        device = torch.device("npu", npu.current_device())
+    except Exception:  # noqa: BLE001 - no torch.npu device API (e.g. a test double of the ops on the CPU)
+        device = torch.device("cpu")
+    return name, device
+
+
 @dataclass(frozen=True)
 class NpuApi:
     version: str
@@ -159,9 +186,16 @@ class NpuApi:
     dynamic_quant: Callable | None  # npu_dynamic_quant (symmetric per-row int8)
     signatures: dict = field(default_factory=dict, compare=False)  # op -> OpSignature of what is used
     missing: dict = field(default_factory=dict, compare=False)  # op -> why it is not used
+    device_name: str | None = None  # torch.npu.get_device_name(0)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)  # where the one-time checks run
+    checks: dict = field(default_factory=dict, compare=False)  # the adapters' one-time checks' answers, by key
+
+    @property
+    def product(self) -> str | None:
+        return product_of(self.device_name)
 
     def describe(self) -> str:
-        return f"torch_npu {self.version}"
+        return f"torch_npu {self.version}" + (f" on {self.device_name}" if self.device_name else "")
 
     def why_not(self, op: str) -> str:
         return f"{self.describe()}: {self.missing.get(op, f'has no {op}')}"
@@ -178,7 +212,9 @@ def detect(module: ModuleType) -> NpuApi:
             signatures[op] = sig
     rotary_sig = signatures.get(ROTARY)
     mode = rotary_sig.param("rotary_mode") if rotary_sig is not None else None
+    device_name, device = _device()
     return NpuApi(version=str(getattr(module, "__version__", "?")), indexer=found[INDEXER],
+                  device_name=device_name, device=device,
                   quant_indexer=found[QUANT_INDEXER], scatter=found[SCATTER], rotary=found[ROTARY],
                   rotary_interleave=mode is not None and mode.type in (None, "str"),
                   dynamic_quant=found[DYNAMIC_QUANT], signatures=signatures, missing=missing)

@@ -16,17 +16,24 @@ in fp16, as the kernels take it; the reference quantizes the fp32 values with th
 differ by about 1.5 int8 steps (bf16 rounding moves a value by up to 0.25 of a step; tests/backends/test_npu_backend.py bounds
 it).
 
-NaN: the stored keys are checked finite on the host before the scatter (`lightning.require_finite`), naming ``k``
-when the input already held them, else the norm weights / cos_sin, so no NaN key reaches torch_npu's indexers, whose
-NaN order is undefined.
+No host reads: both prologues run inside the pipeline (the store on the NPU side stream), where a host read would
+block the host before the other path is enqueued and the streams would not overlap
+(tests/backends/test_host_syncs_in_steps.py fails on one). So padding rows (slot -1) are not selected out (a
+boolean-mask selection reads the mask on the host): they are redirected to rewrite a kept row's bytes
+(`contract.cache.without_padding`). NaN: torch_npu's indexers rank NaN in an undefined order, so no NaN key may reach
+them. The store writes non-finite rows as zeros and records them on the device (`lightning.STORE_CHECKS`, naming
+``k`` when the input row already held them, else the norm weights / cos_sin); the next scoring over that cache raises
+before its kernel runs. The int8 q prologue makes the scale of a non-finite q row NaN, which the scoring's
+``q_scales`` check refuses.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...contract.cache import without_padding
 from .api import NpuApi
-from .lightning import require_finite
+from .lightning import STORE_CHECKS
 
 
 ROTARY_MAX_HEADS = 999  # B * N < 1000 (interleave) and N < 1000 (half), with B = 1
@@ -72,10 +79,11 @@ def make_q_prologue_plain(api_of):
         weights = head_weights.float() * weight_scale
         if key_format == "bf16":
             return x.to(q.dtype), q.new_empty(0, dtype=torch.float16), weights
-        # the int8 kernels' scales hide a NaN row (npu_dynamic_quant's NaN handling is not documented): check first
-        require_finite("q (after RoPE by cos_sin)", x)
-        q_int8, scale = _int8(api, x)
-        return q_int8, scale, weights
+        # npu_dynamic_quant's NaN handling is not documented, so its scale could hide a NaN row: mark the row's
+        # scale NaN here (no host read) and the scoring's q_scales check refuses it
+        finite = torch.isfinite(x).all(dim=-1)
+        q_int8, scale = _int8(api, torch.where(finite[..., None], x, torch.zeros_like(x)))
+        return q_int8, torch.where(finite, scale, torch.full_like(scale, float("nan"))), weights
 
     return q_prologue_plain
 
@@ -87,19 +95,29 @@ def make_k_prologue_store_plain(api_of):
                                slot_mapping, rope_offset=0, interleaved=False, norm="layernorm",
                                key_format="bf16") -> None:
         api: NpuApi = api_of()
+        if not slot_mapping.numel():
+            return
         x = key_norm(k, norm_weight, norm_bias, eps, norm)
         x = _rope(api, x[:, None, :], positions, cos_sin, rope_offset, interleaved)[:, 0]
-        keep = slot_mapping >= 0  # padding rows store nothing (this selection syncs with the host)
-        rows = slot_mapping[keep].long().view(-1, 1)
-        x = x[keep]
-        if not bool(torch.isfinite(x).all()):
-            culprit = "k" if not bool(torch.isfinite(k[keep]).all()) else "norm_weight / norm_bias or cos_sin"
-            require_finite(f"the keys to store (from {culprit})", x, keep.nonzero().flatten())
+        keep = slot_mapping >= 0  # padding rows store nothing
+        finite = torch.isfinite(x).all(dim=-1)
+        numbers = torch.arange(x.shape[0], device=x.device)
+        STORE_CHECKS.record(key_cache, "the keys to store", keep & ~finite, numbers,
+                            from_input=~torch.isfinite(k).all(dim=-1))
+        x = torch.where(finite[:, None], x, torch.zeros_like(x))
         keys, scales = (x.to(torch.bfloat16), None) if key_format == "bf16" else _int8(api, x)
-        if scales is not None:
-            require_finite("the key scales to store (fp16)", scales)
-        api.scatter(key_cache.view(-1, key_cache.shape[-1]), rows, keys.to(key_cache.dtype))
-        if scales is not None:
-            api.scatter(key_scales.view(-1, 1), rows, scales.reshape(-1, 1).to(key_scales.dtype))
+        flat = key_cache.view(-1, key_cache.shape[-1])
+        if scales is None:
+            rows, (keys,) = without_padding(slot_mapping, (keys.to(key_cache.dtype),), lambda at: (flat[at],))
+        else:
+            scales = scales.reshape(-1, 1).to(key_scales.dtype)
+            scale_ok = torch.isfinite(scales[:, 0])  # an fp32 scale past the fp16 range
+            STORE_CHECKS.record(key_cache, "the key scales to store (fp16)", keep & ~scale_ok, numbers)
+            scales = torch.where(scale_ok[:, None], scales, torch.zeros_like(scales))
+            flat_scales = key_scales.view(-1, 1)
+            rows, (keys, scales) = without_padding(slot_mapping, (keys.to(key_cache.dtype), scales),
+                                                   lambda at: (flat[at], flat_scales[at]))
+            api.scatter(flat_scales, rows.view(-1, 1), scales)
+        api.scatter(flat, rows.view(-1, 1), keys)
 
     return k_prologue_store_plain

@@ -59,7 +59,17 @@ UNREGISTERED = {
                         "(can round down), and it multiplies by 1/scale (1 fp8 ulp); the Triton kernel already fuses "
                         "norm + RoPE + Hadamard + quant + store",
     "quant_fp8_groups": "no aiter function quantizes with this contract's recipe (amax clamp 1e-4, 224 on fnuz)",
-    "q_prologue": "no aiter function fuses RoPE + Hadamard + quant + the weight fold",
+    "q_prologue": "aiter main's rope_rotate_activation (HIP module_dsv4_rotate_quant; fp8 out: interleaved RoPE on "
+                  "the trailing rope_dim, Hadamard, group-128 quant) is not this recipe: scale = amax / finfo max, "
+                  "240 on e4m3fnuz (library: 224), amax floored at 1e-10 (library: 1e-4), x * (1 / scale) (library: "
+                  "x / scale, 1 fp8 ulp apart), cos / sin in the input's dtype (library: fp32 cos_sin), RoPE only "
+                  "on the trailing dims (library: rope_offset), and no head-weight fold; the Triton kernel fuses "
+                  "all of it",
+    "q_prologue_fp4": "aiter main's rope_rotate_activation (fp4x2 out: e2m1 with e8m0 scales per 32) keeps the "
+                      "RoPE'd and the rotated rows in fp32, where V4's recipe rounds both to bf16 (so its codes "
+                      "differ near rounding edges), writes packed e2m1 + e8m0 (this op returns the rows folded "
+                      "into fp8 with the scale in the head weights) and has no weight fold; the Triton kernel "
+                      "does the recipe bit for bit",
     "lightning_indexer": "no aiter fused paged logits + top-k for this cache layout (the generic composition of "
                          "the resolved paged logits and top-k serves it)",
 }
@@ -87,16 +97,32 @@ def _ragged_supports(problem: Problem, target: Target) -> str | None:
     return _arch_checks(problem, target, "fp8_mqa_logits")
 
 
+# aiter main's V4 logits kernels (e4048607, aiter/ops/flydsl/kernels/mqa_logits/) are FlyDSL programs (MLIR lowered
+# to AMD GPUs only): neither Triton's interpreter nor the H200 runs them, so nothing here could check one.
+# * flydsl_pa_mqa_logits_fp4 (+ _prefill / _varqlen; gfx950) reads a preshuffled FP4 cache, kvcache [num_blocks,
+#   k_tiles, 4, kv_block_size, 16] and scales [num_blocks, k_tiles, 4, kv_block_size] in an interleaved order,
+#   written by aiter's rmsnorm_rope_rotate_activation_fp4quant_kvcache; this library's FP4 pages are DeepGEMM's
+#   68-byte token-major layout, which the CUDA, Triton and reference kernels read. The cache layout stays the
+#   library's: taking the vendor's would need a second FP4 layout and its store, for a kernel not run here.
+# * flydsl_fp8_mqa_logits (gfx942): the same math as fp8_mqa_logits (it converts e4m3fn bytes to fnuz itself).
+FLYDSL_FP4 = ("V4's FP4 pages: aiter's flydsl_pa_mqa_logits_fp4 (gfx950, FlyDSL) reads a preshuffled FP4 cache "
+              "([blocks, k_tiles, 4, block, 16] + interleaved e8m0 scales), not the library's 68-byte DeepGEMM "
+              "layout, and FlyDSL kernels cannot run here to be checked; the Triton kernel serves FP4 pages")
+FLYDSL_FP8 = ("aiter's flydsl_fp8_mqa_logits (gfx942) has the same contract as fp8_mqa_logits but is a FlyDSL "
+              "program: not registered until it is run on a gfx942 (nothing here can run FlyDSL)")
+
+
 # The shape facts aiter's logits kernels take, declared (dispatch/capabilities.py): every failing one at once.
 _TL_DOT_HEADS = Rule(lambda heads: 16 <= heads <= 128 and not heads & (heads - 1),
                      "a power of two in 16..128 (all heads tile one tl.dot)")
+_FP8_KEYS = Rule(lambda keys: keys == "fp8", f"fp8 ({FLYDSL_FP4})")
 RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
-                           keys=("fp8",))  # fp8 key rows, not V4's FP4 ones as the 68-byte pages store them
+                           keys=_FP8_KEYS)  # fp8 key rows, not V4's FP4 ones as the 68-byte pages store them
 PAGED_CAPS = Capabilities("aiter's paged kernel",
                           next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),
                           dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
-                          keys=("fp8",),  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
+                          keys=_FP8_KEYS,  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)
                           pages=Rule(lambda pages: isinstance(pages, int) and pages <= MAX_INT32_PAGES,
                                      f"at most {MAX_INT32_PAGES} cache pages (its key addresses are int32 and wrap "
                                      f"past 2**31 - 1 bytes: paged.MAX_INT32_PAGES, ROCm/aiter e4048607); the "
@@ -231,7 +257,8 @@ def dsa_indexer_register(registry: Registry) -> None:
         description="aiter Triton fp8_mqa_logits, starts aligned down to 128 then the head re-masked",
         info={"vendor_function": "aiter.ops.triton.fp8_mqa_logits.fp8_mqa_logits",
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
-                            "are passed rounded down and columns [ks & ~127, ks) are set to -inf after"},
+                            "are passed rounded down and columns [ks & ~127, ks) are set to -inf after",
+              "not_used": FLYDSL_FP8},
     )(_ragged_factory)
     registry.implementation(
         "paged_mqa_logits", impl_id="paged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
@@ -243,7 +270,9 @@ def dsa_indexer_register(registry: Registry) -> None:
                                  "_deepgemm_fp8_paged_mqa_logits (ROCm/aiter main e4048607)",
               "layout": "KVBlockSize=64: per block 64 x 128 fp8 then 64 fp32 scales (this library's cache)",
               "not_the_wrapper": "aiter's deepgemm_fp8_paged_mqa_logits routes Preshuffle=False to a Gluon kernel "
-                                 "that reads page size 1 (Triton >= 3.5 on gfx942/950/1250): not called"},
+                                 "that reads page size 1 (Triton >= 3.5 on gfx942/950/1250): not called",
+              "fp4_pages": FLYDSL_FP4,
+              "split_kv": "per power-of-two row bucket; every bucket compiled by the probe (paged.split_kv)"},
     )(_paged_factory)
     registry.implementation(
         "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,

@@ -232,7 +232,9 @@ def self_test(api: AiterApi, device: torch.device) -> AiterApi:
             api = dataclasses.replace(api, ragged_self_test=_first_line(exc))
     if api.paged_logits is not None:
         try:
-            paged.check_paged_adapter(paged.make_paged_mqa_logits(launch="kernel"), device, api.fp8_dtype)
+            adapter = paged.make_paged_mqa_logits(launch="kernel")
+            paged.check_paged_adapter(adapter, device, api.fp8_dtype)
+            paged.warm_split_buckets(adapter, device, api.fp8_dtype)  # every SplitKV compile, before any capture
         except Exception as exc:  # noqa: BLE001
             api = dataclasses.replace(api, paged_self_test=_first_line(exc))
     return api

@@ -127,11 +127,61 @@ def wrapper_route(wrapper: Callable) -> str | None:
     return None
 
 
+def _compute_units(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two >= ``rows``: the split over keys is chosen per bucket, not per row count."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def split_kv(units: int, rows: int) -> int:
+    """Programs per query row over the keys: aiter's formula ``(max(1, units // rows) + 4) // 5 * 5`` applied to the
+    row count's power-of-two bucket. ``SplitKV`` is a ``tl.constexpr`` of aiter's kernel, so each value is a
+    compile of its own: aiter's per-row-count value gives 15 of them over batch sizes 1..304 on 304 compute units,
+    each compiled inside the first step (or graph warm-up) of a new size. Per bucket it is at most
+    ``log2(units) + 2`` values (7 on 304 units), all compiled by `warm_split_buckets` when the probe runs (before
+    any capture). The bucket launches at most half the programs aiter's value would just past a power of two. The
+    logits do not depend on it: each program writes its own chunks' columns, nothing is reduced across splits."""
+    return (max(1, units // row_bucket(max(1, rows))) + 4) // 5 * 5
+
+
+def split_buckets(units: int) -> list[int]:
+    """One row count per distinct `split_kv` value on a device of ``units`` compute units (from 1 row up to the
+    bucket past which the value stays 5)."""
+    rows, seen, out = 1, set(), []
+    while True:
+        value = split_kv(units, rows)
+        if value not in seen:
+            seen.add(value)
+            out.append(rows)
+        if units // rows == 0:
+            return out
+        rows *= 2
+
+
 def _split_kv(device: torch.device, rows: int) -> int:
-    """Programs per query row over the keys, from this device's compute-unit count (aiter's formula, with the
-    count read from the device, never one chip's number)."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return (max(1, units // max(1, rows)) + 4) // 5 * 5
+    return split_kv(_compute_units(device), rows)
+
+
+def warm_split_buckets(fn: Callable[..., torch.Tensor], device: torch.device | str,
+                       fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> list[int]:
+    """Launch the adapter ``fn`` once for every `split_kv` value this device can pick (one page, random finite keys),
+    so no decode step or graph capture compiles aiter's kernel later; returns the row counts launched. Run by the
+    probe's self-test, i.e. at the first resolution, which must come before any capture."""
+    from ...contract.cache import IndexKCache
+
+    device = torch.device(device)
+    cache = IndexKCache.allocate(1, device, fp8_dtype).data
+    cache.view(-1, PAGE_BYTES)[:, : PAGE_SIZE * HEAD_DIM].view(fp8_dtype).fill_(0.5)
+    cache.view(-1, PAGE_BYTES)[:, PAGE_SIZE * HEAD_DIM:].view(torch.float32).fill_(1.0)
+    rows_launched = split_buckets(_compute_units(device))
+    for rows in rows_launched:
+        q = torch.full((rows, 1, 64, HEAD_DIM), 0.5, device=device).to(fp8_dtype)
+        fn(q, cache, torch.ones(rows, 64, device=device), torch.ones(rows, 1, dtype=torch.int32, device=device),
+           torch.zeros(rows, 1, dtype=torch.int32, device=device), PAGE_SIZE)
+    return rows_launched
 
 
 def make_paged_mqa_logits(launch: str = "kernel", fn: Any = None) -> Callable[..., torch.Tensor]:
