@@ -118,9 +118,9 @@ def test_rows_too_wide_for_eight_ctas_have_no_plan():
 
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
-    (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (5, 4097, 2, 8), (1, 8192, 2, 8), (31, 8192, 2, 8),
+    (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (1, 16385, 5, 8), (200, 8192, 1, 16),
     (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (128, 32768, 2, 32),
-    (1, 131072, 16, 16), (32, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
+    (1, 131072, 16, 16), (31, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
 def test_register_plan(rows, cols, cluster, keys):
     got = cuda_topk.plan_for(rows, cols, 132, 4)
     assert got == cuda_topk.Plan("registers", cluster, keys)
@@ -130,21 +130,24 @@ def test_register_plan(rows, cols, cluster, keys):
         assert cluster == -(-cols // (32 * cuda_topk.REGISTERS_THREADS))
 
 
-@pytest.mark.parametrize("rows,cols", [(32, 8192), (128, 8192), (132, 16384), (1, 4096), (1, 100), (64, 2048)])
+@pytest.mark.parametrize("rows,cols", [(32, 8192), (128, 8192), (132, 16384), (1, 4096), (1, 100), (64, 2048),
+                                       (1, 8192), (5, 4097)])
 def test_a_wave_of_short_decode_rows_takes_the_streaming_kernel(rows, cols):
-    """Up to one CTA per SM of rows <= 16K columns (from 32 rows, or <= 4K columns): the streaming kernel, which
-    selects each in registers; more rows, or a single longer row, keep the register kernel."""
+    """Up to one CTA per SM of rows <= 16K columns: the streaming kernel, which selects each in registers; more
+    rows, or longer rows (fewer than 32 of them or at most 64K columns), keep the register kernel."""
     assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
-    for other in ((133, cols), (31, 8192), (rows, 16385)):
+    for other in ((133, cols), (1, 16385), (rows, 16385)):
         assert cuda_topk.plan_for(*other, 132, 4).kernel == "registers", other
 
 
-@pytest.mark.parametrize("rows,cols", [(128, 131072), (300, 40000), (128, 262144)])
+@pytest.mark.parametrize("rows,cols", [(128, 131072), (300, 40000), (128, 262144), (32, 131072), (64, 131072),
+                                       (32, 163840), (32, 65537)])
 def test_many_long_rows_take_the_streaming_kernel(rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
 
 
-@pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (32, 131072), (64, 131072), (128, 262145)])
+@pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (31, 131072), (1, 163840), (32, 65536),
+                                       (128, 262145)])
 def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4).kernel != "stream"
 

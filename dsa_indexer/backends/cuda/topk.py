@@ -51,11 +51,17 @@ STREAM_MIN_COLS = 32768  # the streaming kernel serves longer rows only (shorter
 STREAM_MAX_COLS = 1 << 18  # its shared bitmap of selected columns holds this many
 STREAM_AFTER_WAVES = 2  # the streaming kernel takes rows whose register launch needs more waves than this
 # Decode rows of at most 16K columns, one CTA per row: the streaming kernel selects each in registers with the fewest
-# keys per thread that hold it, which beat the register kernel's 2-CTA clusters from 32 rows on and at <= 4K columns
-# (H200, benchmarks/results/topk_routing_h200.json, us: 32 / 64 / 128 x 8K 12.1 / 12.5 / 13.1 vs 12.7 / 12.9 / 13.7;
-# V4's k = 512 at 1 / 32 x 2K 7.2 / 7.2 vs 7.6 / 8.1); one row of 8K kept the 2-CTA cluster (10.2 vs 10.9).
+# keys per thread that hold it, which beat the register kernel's 2-CTA clusters (H200, benchmarks/results/
+# topk_routing_h200.json, us: 32 / 64 / 128 x 8K 12.1 / 12.5 / 13.1 vs 12.7 / 12.9 / 13.7; V4's k = 512 at 1 / 32 x 2K
+# 7.2 / 7.2 vs 7.6 / 8.1); since its rows' first columns are prefetched to L2 before their lengths arrive, one row of
+# 8K too (9.4 vs 10.3; topk_stream_pass_h200.json).
 SHORT_ROWS_MAX_COLS = 16384
-SHORT_ROWS_MIN_ROWS = 32
+# From 32 rows of more than 64K columns the streaming kernel (one CTA reading each row once) beats the register
+# kernel's clusters since its pass is no longer instruction-bound (topk_stream_pass_h200.json, us: 32 / 64 x 128K
+# 32.7 / 35.4 vs 36.6 / 58.2); at one row of 128K the 16-CTA cluster wins (14.7 vs 29.4: one SM reads a row at
+# ~40 GB/s), at 32 x 32K 4-CTA clusters (17.9 vs 22.1).
+LONG_ROWS_STREAM_MIN_COLS = 65536
+LONG_ROWS_STREAM_MIN_ROWS = 32
 # The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
 # at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
 PREFILL_MIN_ROWS = 1024
@@ -164,14 +170,16 @@ def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     register launch needs more than two waves (two CTAs per SM each) take the streaming kernel: each wave pays
     the register kernel's barrier chain again, while the streaming kernel reads each row once in one wave
     (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two
-    waves, 66 vs 64 us, so the register kernel keeps it). Up to a wave of short rows (<= 16K columns; from 32 rows,
-    or <= 4K columns) take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least PREFILL_MIN_ROWS rows of at
+    waves, 66 vs 64 us, then; since the streaming pass was made cheaper, from 32 rows of > 64K columns). Up to a wave
+    of short rows (<= 16K columns) take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least PREFILL_MIN_ROWS rows of at
     least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel: small CTAs, three per SM, that
     overlap one row's select with other rows' streaming passes; so do rows too wide for the other CUDA kernels
     when there are at least as many as SMs (else the Triton top-k serves them, as before)."""
     if rows >= PREFILL_MIN_ROWS and PREFILL_MIN_COLS < cols < PREFILL_MAX_COLS:
         return Plan("prefill", 1, PREFILL_THREADS)
-    if cols <= SHORT_ROWS_MAX_COLS and rows <= sms and (rows >= SHORT_ROWS_MIN_ROWS or cols <= 4096):
+    if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
+        return Plan("stream", 1, 0)
+    if LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS:
         return Plan("stream", 1, 0)
     reg = register_plan(rows, cols, sms)
     if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS

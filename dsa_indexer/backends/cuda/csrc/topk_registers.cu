@@ -190,10 +190,21 @@ __device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift
   prefix = shift >= 32 ? 0u : hi >> shift;
 }
 
+// Columns [c_lo, c_hi) of a row into L2 (a 128-byte line per thread and step), issued before the row's window is
+// read: otherwise the kernel's first global read (ends) and its first loads of the row are two DRAM round trips
+// in a row (~2 us each after the L2 is flushed). Prefetches fill no register and cannot change a result; they
+// stay inside the logits' width (columns past a row's end may be fetched, they are never used).
+__device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, int c_hi) {
+  for (int c = c_lo + (int)threadIdx.x * 32; c < c_hi; c += kThreads * 32)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(x_row + c));
+}
+
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
-template <int KPT>
+// STAGED: the positions go through shared memory (coalesced writes); off where it costs spills (KPT 32 in 64
+// registers: the register kernel's 16K-column chunks).
+template <int KPT, bool STAGED = (KPT <= 16)>
 __device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
                                                      int* out_row, int rank, int csize, cg::cluster_group& cluster,
                                                      Shared& s) {
@@ -328,26 +339,37 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     }
     if (lane == 31) s.warp_sum[warp] = incl;
     __syncthreads();
-    int offset = incl - mine, cta_total = 0;
+    int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const int n = s.warp_sum[w];
       offset += w < warp ? n : 0;
       cta_total += n;
     }
+    int cta_base = 0;  // the lower CTAs' selected
     if (csize > 1) {
       if (t == 0) s.cta_total = cta_total;
       cluster.sync();
-      for (int q = 0; q < rank; ++q) offset += *cluster.map_shared_rank(&s.cta_total, q);
+      for (int q = 0; q < rank; ++q) cta_base += *cluster.map_shared_rank(&s.cta_total, q);
       cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
     }
+    // The positions go through shared memory (both histograms: every reader of them, peers included, is past the
+    // barriers above), so the row is written coalesced: scattered 4-byte stores cost ~1 us of a CTA's store
+    // issue per 2048 positions (H200).
+    const bool staged = STAGED && p.k <= 2 * kBins;  // uniform
+    int* stage = &s.hist[0][0];
+    int* dst = staged ? stage : out_row + cta_base;
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
       if ((e >> 2) >= live) break;
       if (selected & (1u << e)) {
         const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
-        out_row[offset++] = out_value(c - start, req, p);
+        dst[offset++] = out_value(c - start, req, p);
       }
+    }
+    if (staged) {
+      __syncthreads();
+      for (int j = t; j < cta_total; j += kThreads) out_row[cta_base + j] = stage[j];
     }
     // No CTA may clear its histogram (next row) or exit while a peer may still read its shared memory; the
     // block barrier keeps warp_sum from being overwritten by the next row's scan before every warp read it.
@@ -367,7 +389,7 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
     registers_select_row<(KPT_MAX >= 16 ? 16 : 8)>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   } else {
-    registers_select_row<KPT_MAX>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<KPT_MAX, true>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   }
 }
 
@@ -387,6 +409,8 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   int solo_turn = 0;  // solo rows this cluster has met so far: the next one goes to rank solo_turn % csize
 
   for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    if (KPT <= 16 && p.starts == nullptr)  // this CTA's chunk of a full row (KPT 32: no registers to spare)
+      prefetch_row_l2(p.x + (long long)row * p.x_stride, rank * kChunk, min(p.cols, (rank + 1) * kChunk));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
     const int req = p.row_request != nullptr ? p.row_request[row] : row;
@@ -487,6 +511,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
 
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    if (p.starts == nullptr)  // the columns a short row's select reads, the first of a long row's pass
+      prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
     const int req = p.row_request != nullptr ? p.row_request[row] : row;
@@ -576,10 +602,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     const bool float_compare = threshold > kNegInfKey;  // uniform; else the row's top reaches -inf / NaN
     const float threshold_value = __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
     unsigned cand_lo = 0xffffffffu, cand_hi = 0u;  // of the candidates (the select starts where they differ)
-    for (int it0 = 0; it0 < iters; it0 += kStreamUnroll) {
-      float4 q[kStreamUnroll];
-      const bool inside = p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi;
-      if (inside) {  // uniform
+    // Two batches in flight: the next batch's loads are issued before this one is examined (one CTA's loads are
+    // latency-bound: ~1.9 us per batch of 8 float4s per thread when each waited for the last).
+    auto batch_inside = [&](int it0) {  // uniform
+      return p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi;
+    };
+    auto load_batch = [&](int it0, float4 (&q)[kStreamUnroll]) {
+      if (batch_inside(it0)) {
 #pragma unroll
         for (int u = 0; u < kStreamUnroll; ++u)
           q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * ((it0 + u) * kThreads + t)));
@@ -590,6 +619,15 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
           q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
       }
+    };
+    float4 q_next[kStreamUnroll];
+    load_batch(0, q_next);
+    for (int it0 = 0; it0 < iters; it0 += kStreamUnroll) {
+      float4 q[kStreamUnroll];
+#pragma unroll
+      for (int u = 0; u < kStreamUnroll; ++u) q[u] = q_next[u];
+      if (it0 + kStreamUnroll < iters) load_batch(it0 + kStreamUnroll, q_next);
+      const bool inside = batch_inside(it0);
       // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
       unsigned take = 0u;
       if (inside && float_compare) {
@@ -724,13 +762,19 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     int offset = incl - mine;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) offset += w < warp ? s.base.warp_sum[w] : 0;
+    const bool staged = p.k <= kStreamCandCap;  // uniform; the candidates are read (bitmap barrier): reuse them
+    int* dst = staged ? s.cand_col : out_row;
     for (int w = w0; w < w1; ++w) {
       unsigned bits = s.bitmap[w];
       while (bits != 0u) {
         const int b = __ffs(bits) - 1;
         bits &= bits - 1u;
-        out_row[offset++] = out_value(w * 32 + b, req, p);
+        dst[offset++] = out_value(w * 32 + b, req, p);
       }
+    }
+    if (staged) {  // written coalesced (see registers_select_row)
+      __syncthreads();
+      for (int j = t; j < p.k; j += kThreads) out_row[j] = s.cand_col[j];
     }
     __syncthreads();  // the bitmap, histograms and warp sums are reused by the next row
   }
