@@ -84,6 +84,17 @@ __device__ __forceinline__ int out_value(int local, int req, const Params& p) {
   return page * kPage + local % kPage;
 }
 
+// The inclusive prefix sum of `v` over the warp's lanes (every lane takes part).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += y;
+  }
+  return v;
+}
+
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::); }
 
@@ -331,12 +342,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       selected |= sel ? (1u << e) : 0u;
     }
     const int mine = __popc(selected);
-    int incl = mine;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
+    int incl = warp_inclusive_sum(mine);
     if (lane == 31) s.warp_sum[warp] = incl;
     __syncthreads();
     int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected
@@ -648,12 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         }
       }
       const int mine = __popc(take);
-      int incl = mine;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-      }
+      int incl = warp_inclusive_sum(mine);
       const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
       if (warp_total != 0) {  // uniform over the warp
         int first = 0;
@@ -751,12 +752,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     const int w0 = t * per, w1 = min(nwords, w0 + per);
     int mine = 0;
     for (int w = w0; w < w1; ++w) mine += __popc(s.bitmap[w]);
-    int incl = mine;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
+    int incl = warp_inclusive_sum(mine);
     if (lane == 31) s.base.warp_sum[warp] = incl;
     __syncthreads();
     int offset = incl - mine;
@@ -894,12 +890,7 @@ __device__ __forceinline__ void prefill_find_bin(int* h, int* next, int k_rem, P
 template <int T>
 __device__ __forceinline__ int prefill_scan(int mine, PrefillShared<T>& s, int parity, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int incl = mine;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += y;
-  }
+  int incl = warp_inclusive_sum(mine);
   if (lane == 31) s.warp_sum[parity][warp] = incl;
   __syncthreads();
   int offset = incl - mine;
