@@ -334,9 +334,18 @@ def context_parallel_decode(indexer, x: torch.Tensor, q_lora: torch.Tensor, posi
     scores = logits.gather(1, local.clamp_min(0).long())
     mine = torch.where(local >= 0, local * world + rank, torch.full_like(local, -1))
     keys = _candidate_keys(scores, mine)
-    gathered = torch.empty((world, *keys.shape), dtype=keys.dtype, device=keys.device)
-    dist.all_gather_into_tensor(gathered, keys, group=group)
+    gathered = _all_gather_stacked(keys, world, group)
     return merge_candidates(gathered.permute(1, 0, 2).reshape(keys.shape[0], world * k), k)
+
+
+def _all_gather_stacked(local: torch.Tensor, world: int, group) -> torch.Tensor:
+    """``[world, *local.shape]``: one all-gather of equal-shape tensors into one buffer (NCCL's allgather, one
+    launch, capturable; no list of per-rank tensors). The buffer is flat along dim 0, the shape gloo and NCCL both
+    take; torch >= 2.10 names the op ``all_gather_single``."""
+    out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=group)
+    return out.view(world, *local.shape)
 
 
 def _check_group(group, caller: str) -> None:
@@ -418,6 +427,5 @@ def tensor_parallel_prefill(indexer, x: torch.Tensor, q_lora: torch.Tensor, posi
         quant = q_lora_quant.select_rows(slice(start, stop)) if q_lora_quant is not None else None
         mine[: stop - start] = indexer.score_rows(x[start:stop], q_lora[start:stop], positions[start:stop],
                                                   _rows_batch(batch, rows), cache, quant)
-    gathered = torch.empty((world, longest, k), dtype=torch.int32, device=x.device)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    gathered = _all_gather_stacked(mine, world, group)
     return torch.cat([gathered[r, : b - a] for r, (a, b) in enumerate(shares)])
