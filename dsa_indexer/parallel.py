@@ -289,6 +289,16 @@ def _candidate_keys(values: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     return torch.where(positions >= 0, key, torch.full_like(key, _NO_CANDIDATE))
 
 
+def shard_candidates(logits: torch.Tensor, local_lens: torch.Tensor, k: int, rank: int, world: int, *,
+                     target=None) -> torch.Tensor:
+    """This rank's top-k candidates as `_candidate_keys` int64 [R, k]: `topk_indices` over its shard's logits
+    [R, width] (row r sees local keys ``< local_lens[r]``; ties to the lower local position, which on one rank is
+    the lower global one), each with its score and its global position ``local * world + rank``."""
+    local = ops.topk_indices(logits, k, local_lens, target=target)
+    scores = logits.gather(1, local.clamp_min(0).long())
+    return _candidate_keys(scores, torch.where(local >= 0, local * world + rank, torch.full_like(local, -1)))
+
+
 def merge_candidates(keys: torch.Tensor, k: int) -> torch.Tensor:
     """The exact top-k of a row's candidates from every rank (``keys`` [R, world * k], `_candidate_keys`): int32
     [R, k] global positions, best first, -1 padded."""
@@ -330,10 +340,7 @@ def context_parallel_decode(indexer, x: torch.Tensor, q_lora: torch.Tensor, posi
         return torch.where(slot[None, :] < counts[:, None], slot[None, :], torch.full_like(slot, -1)[None, :])
     logits = indexer.decode_logits(x, q_lora, positions, batch.local, cache, q_lora_quant=q_lora_quant,
                                    compressor_state=compressor_state)
-    local = ops.topk_indices(logits, k, batch.local.context_lens.reshape(-1), target=indexer.target)
-    scores = logits.gather(1, local.clamp_min(0).long())
-    mine = torch.where(local >= 0, local * world + rank, torch.full_like(local, -1))
-    keys = _candidate_keys(scores, mine)
+    keys = shard_candidates(logits, batch.local.context_lens.reshape(-1), k, rank, world, target=indexer.target)
     gathered = _all_gather_stacked(keys, world, group)
     return merge_candidates(gathered.permute(1, 0, 2).reshape(keys.shape[0], world * k), k)
 

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsa_indexer import ops
 from dsa_indexer import (CompressorState, DecodeBatch, IndexerConfig, IndexerInputError, IndexKCache, Indexer,
                          PrefillBatch)
 from dsa_indexer.contract.cache import gather_rows
 from dsa_indexer.parallel import (ShardedDecodeBatch, context_parallel_decode, cost_split_rows, local_key_count,
-                                  merge_candidates, store_keys_sharded, tensor_parallel_prefill, _candidate_keys)
+                                  merge_candidates, shard_candidates, store_keys_sharded, tensor_parallel_prefill, _candidate_keys)
 
 V32 = IndexerConfig(name="tiny", hidden_size=256, q_lora_rank=256, n_heads=4, topk=16, max_position=8192)
 C4 = dataclasses.replace(IndexerConfig.deepseek_v4_flash(), name="tiny-c4", hidden_size=256, q_lora_rank=256,
@@ -209,3 +210,25 @@ def test_sharded_inputs_are_checked():
     x = torch.randn(1, 256).to(torch.bfloat16)
     with pytest.raises(IndexerInputError, match="context_parallel_decode needs an initialized torch.distributed"):
         context_parallel_decode(indexer, x, x, batch.positions, batch, IndexKCache.allocate(1))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_shard_top_k_then_merge_equals_one_device_top_k_under_ties(world):
+    """The decode step's composition without a transport: logits rounded to a few values (ties everywhere, +0.0 and
+    -0.0 among them), dealt round robin to the shards; each shard's top-k, then the merge, must give exactly the
+    one-device `topk_indices` (order, ties to the lower position, -1 padding of rows shorter than k)."""
+    gen = torch.Generator().manual_seed(world)
+    k, width = 16, 200
+    logits = (torch.randn(7, width, generator=gen) * 2).round() * torch.randn(7, 1, generator=gen).sign()
+    lens = torch.tensor([200, 0, 1, 5, 17, 16, 123], dtype=torch.int32)
+    col = torch.arange(width)
+    logits = torch.where(col[None, :] < lens[:, None], logits, torch.full_like(logits, float("-inf")))
+    want = ops.topk_indices(logits, k, lens)
+    shards = []
+    for rank in range(world):
+        own = logits[:, rank::world]  # rank's local positions 0, 1, ... are global rank, rank + world, ...
+        local_lens = local_key_count(lens.long(), rank, world).to(torch.int32)
+        shards.append(shard_candidates(own.contiguous(), local_lens, k, rank, world))
+    got = merge_candidates(torch.cat(shards, dim=1), k)
+    assert torch.equal(got, want)
+    assert logits[0].eq(0).sum() > 1 and logits[0].unique().numel() < 20  # the long row is mostly ties
