@@ -32,10 +32,12 @@ DECODE_CASES = {
     "v32": (V32, [0, 2, 149, 699, 64], 1, 4),
     "v32_mtp": (V32, [1, 300, 17], 2, 2),
     "c4": (C4, [5, 6, 202, 1001], 1, 4),
+    "short": (dataclasses.replace(V32, topk=64), [3, 40], 1, 1),  # width 64 <= topk: every visible key, in order
 }
-PREFILL_CASES = {  # (prefix lengths, extend lengths): a batch wide enough for every rank, and one row for them all
-    "ragged": ([100, 0, 400], [200, 300, 90]),
-    "one_row": ([30], [1]),
+PREFILL_CASES = {  # (config, prefix lengths, extend lengths): a batch wide enough for every rank, one row for them all
+    "ragged": (V32, [100, 0, 400], [200, 300, 90]),
+    "one_row": (V32, [30], [1]),
+    "c4": (C4, [8, 0, 600], [300, 250, 41]),
 }
 
 
@@ -87,21 +89,24 @@ def _decode_run(name: str, rank: int | None = None, world: int = 1, group=None) 
     return {"topk": outs, "held": held}
 
 
-def _prefill_problem(name: str, cfg=V32):
-    prefix, extend = PREFILL_CASES[name]
+def _prefill_problem(name: str):
+    cfg, prefix, extend = PREFILL_CASES[name]
     gen = torch.Generator().manual_seed(99)
     indexer = Indexer(cfg).init_random(5)
-    per_request = _pages(max(p + e for p, e in zip(prefix, extend)))
+    ratio = cfg.compress_ratio
+    per_request = _pages(max(p + e for p, e in zip(prefix, extend)) // ratio)
     table = torch.arange(len(prefix) * per_request, dtype=torch.int32).view(len(prefix), per_request)
     cache = IndexKCache.allocate(table.numel())
+    state = CompressorState.allocate(len(prefix), cfg) if ratio == 4 else None
     for b, p in enumerate(prefix):
         if p:
             indexer.store_keys(torch.randn(p, 256, generator=gen).to(torch.bfloat16),
-                               PrefillBatch.build([0], [p], table[b:b + 1]), cache)
-    batch = PrefillBatch.build(prefix, extend, table, num_cache_pages=cache.num_pages)
+                               PrefillBatch.build([0], [p], table[b:b + 1], compress_ratio=ratio, state_slots=[b]),
+                               cache, compressor_state=state)
+    batch = PrefillBatch.build(prefix, extend, table, num_cache_pages=cache.num_pages, compress_ratio=ratio)
     x = torch.randn(batch.num_tokens, 256, generator=gen).to(torch.bfloat16)
     q_lora = torch.randn(batch.num_tokens, 256, generator=gen).to(torch.bfloat16)
-    return indexer, cache, batch, x, q_lora
+    return indexer, cache, batch, x, q_lora, state
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -112,8 +117,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     try:
         result = {name: _decode_run(name, rank, world) for name in DECODE_CASES}
         for name in PREFILL_CASES:
-            indexer, cache, batch, x, q_lora = _prefill_problem(name)
-            result[f"prefill_{name}"] = tensor_parallel_prefill(indexer, x, q_lora, batch.positions, batch, cache)
+            indexer, cache, batch, x, q_lora, state = _prefill_problem(name)
+            result[f"prefill_{name}"] = tensor_parallel_prefill(indexer, x, q_lora, batch.positions, batch, cache,
+                                                                compressor_state=state)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -134,7 +140,7 @@ def test_sharded_decode_and_tp_prefill_over_gloo_equal_one_device(world):
     wants = {name: _decode_run(name) for name in DECODE_CASES}
     ranks = _spawn(world)
     for name, want in wants.items():
-        assert (want["topk"][0] == -1).any()  # the cases do exercise the -1 padding
+        assert (want["topk"][0] == -1).any()  # every case exercises the -1 padding
         for rank, result in enumerate(ranks):
             for step, (got, expected) in enumerate(zip(result[name]["topk"], want["topk"])):
                 assert torch.equal(got, expected), (name, rank, step)
@@ -147,8 +153,8 @@ def test_sharded_decode_and_tp_prefill_over_gloo_equal_one_device(world):
             assert torch.equal(result[name]["held"][1], keys[mine[valid]])
             assert torch.equal(result[name]["held"][2], scales[mine[valid]])
     for name in PREFILL_CASES:
-        indexer, cache, batch, x, q_lora = _prefill_problem(name)
-        plain = indexer(x, q_lora, batch.positions, batch, cache)
+        indexer, cache, batch, x, q_lora, state = _prefill_problem(name)
+        plain = indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state)
         for result in ranks:
             assert torch.equal(result[f"prefill_{name}"], plain), name
 
