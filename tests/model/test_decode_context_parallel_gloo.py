@@ -238,3 +238,38 @@ def test_shard_top_k_then_merge_equals_one_device_top_k_under_ties(world):
     got = merge_candidates(torch.cat(shards, dim=1), k)
     assert torch.equal(got, want)
     assert logits[0].eq(0).sum() > 1 and logits[0].unique().numel() < 20  # the long row is mostly ties
+
+
+def test_decode_logits_are_the_decode_step_up_to_its_top_k():
+    gen = torch.Generator().manual_seed(8)
+    indexer = Indexer(V32).init_random(2)
+    table = torch.arange(6, dtype=torch.int32).view(2, 3)
+    caches = [IndexKCache.allocate(6), IndexKCache.allocate(6)]
+    prefix_x = torch.randn(150, 256, generator=gen).to(torch.bfloat16)
+    for cache in caches:
+        indexer.store_keys(prefix_x, PrefillBatch.build([0], [150], table[:1]), cache)
+    batch = DecodeBatch.build([151, 9], table, num_cache_pages=6)
+    x, q_lora = (torch.randn(2, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+    want = indexer(x, q_lora, batch.positions, batch, caches[0])
+    logits = indexer.decode_logits(x, q_lora, batch.positions, batch, caches[1])
+    assert logits.shape == (2, batch.max_context_len) and torch.isinf(logits[1, 9:]).all()
+    assert torch.equal(caches[1].data, caches[0].data)  # it stored the step's keys as forward does
+    assert torch.equal(ops.topk_indices(logits, V32.topk, batch.context_lens.reshape(-1)), want)
+    with pytest.raises(IndexerInputError, match="batch must be a DecodeBatch, got PrefillBatch"):
+        indexer.decode_logits(x[:1], q_lora[:1], torch.tensor([150]), PrefillBatch.build([150], [1], table[:1]),
+                              caches[1])
+    plain = IndexKCache.allocate(6, layout="paged64_bf16")
+    with pytest.raises(IndexerInputError, match="paged64_bf16 cache .* is scored by the fused"):
+        indexer.decode_logits(x, q_lora, batch.positions, batch, plain)
+
+
+def test_parallel_entry_points_check_their_arguments():
+    indexer, cache, batch, x, q_lora, _ = _prefill_problem("one_row")
+    with pytest.raises(IndexerInputError, match="tensor_parallel_prefill needs an initialized torch.distributed"):
+        tensor_parallel_prefill(indexer, x, q_lora, batch.positions, batch, cache)
+    with pytest.raises(IndexerInputError, match="block_table needs one row per request of the batch \\(1\\)"):
+        store_keys_sharded(indexer, x, batch, cache, torch.zeros(2, 1, dtype=torch.int32), rank=0, world=2)
+    with pytest.raises(IndexerInputError, match="block_table uses cache page 9 but this rank's cache has 1 pages"):
+        store_keys_sharded(indexer, x, batch, cache, torch.full((1, 1), 9, dtype=torch.int32), rank=0, world=2)
+    with pytest.raises(IndexerInputError, match="batch must be a PrefillBatch, got DecodeBatch"):
+        store_keys_sharded(indexer, x, DecodeBatch.build([31], [[0]]), cache, [[0]], rank=0, world=2)
