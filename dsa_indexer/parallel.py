@@ -1,5 +1,12 @@
-"""Context-parallel prefill on ``torch.distributed``: the query rows of one prefill batch split over the ranks of a
-process group (NCCL on GPUs, gloo on CPUs; no transport of our own).
+"""Several ranks of a ``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs; no transport of our own):
+
+- `context_parallel_prefill`: the query rows of one V3.2 prefill batch split in zigzag halves, keys exchanged (below);
+- `tensor_parallel_prefill`: ranks that each hold the whole cache score contiguous row shares of equal cost, and
+  only the int32 top-k is exchanged;
+- `context_parallel_decode`: the k cache sharded round robin over the ranks (`ShardedDecodeBatch`), each rank's
+  top-k with its scores all-gathered as int64 candidates and merged exactly (V3.2 and V4's C4 entries alike).
+
+``docs/ops.md`` (Several GPUs) shows how an engine calls them. Context-parallel prefill:
 
     topk = context_parallel_prefill(indexer, x, q_lora, positions, batch, cache, group=group)
 
