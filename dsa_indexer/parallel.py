@@ -126,11 +126,6 @@ _INT32_MAX = 2**31 - 1
 _NO_CANDIDATE = -(2**63)  # below the key of any real candidate, a -inf score included
 
 
-def shard_rank_of(position: int | torch.Tensor, world: int):
-    """The rank holding key ``position`` (a token, or a C4 entry j): keys are dealt round robin, ``position % world``."""
-    return position % world
-
-
 def local_key_count(keys: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """How many of a request's first ``keys`` keys (positions ``0 .. keys - 1``) rank ``rank`` holds:
     ``ceil((keys - rank) / world)``, 0 when ``keys <= rank``."""
@@ -300,7 +295,15 @@ def shard_candidates(logits: torch.Tensor, local_lens: torch.Tensor, k: int, ran
                      target=None) -> torch.Tensor:
     """This rank's top-k candidates as `_candidate_keys` int64 [R, k]: `topk_indices` over its shard's logits
     [R, width] (row r sees local keys ``< local_lens[r]``; ties to the lower local position, which on one rank is
-    the lower global one), each with its score and its global position ``local * world + rank``."""
+    the lower global one), each with its score and its global position ``local * world + rank``. A shard no wider
+    than k (short contexts over many ranks) has every visible key as a candidate, with no top-k launch."""
+    width = logits.shape[1]
+    if width <= k:
+        slot = torch.arange(k, device=logits.device, dtype=torch.int32)
+        local = torch.where(slot[None, :] < local_lens[:, None], slot[None, :], torch.full_like(slot, -1)[None, :])
+        scores = logits.gather(1, local.clamp(0, max(width - 1, 0)).long()) if width else torch.zeros(
+            local.shape, device=logits.device)
+        return _candidate_keys(scores, torch.where(local >= 0, local * world + rank, torch.full_like(local, -1)))
     local = ops.topk_indices(logits, k, local_lens, target=target)
     scores = logits.gather(1, local.clamp_min(0).long())
     return _candidate_keys(scores, torch.where(local >= 0, local * world + rank, torch.full_like(local, -1)))

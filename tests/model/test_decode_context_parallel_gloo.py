@@ -219,12 +219,14 @@ def test_sharded_inputs_are_checked():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_shard_top_k_then_merge_equals_one_device_top_k_under_ties(world):
+@pytest.mark.parametrize("k", [16, 64])
+def test_shard_top_k_then_merge_equals_one_device_top_k_under_ties(world, k):
     """The decode step's composition without a transport: logits rounded to a few values (ties everywhere, +0.0 and
     -0.0 among them), dealt round robin to the shards; each shard's top-k, then the merge, must give exactly the
-    one-device `topk_indices` (order, ties to the lower position, -1 padding of rows shorter than k)."""
+    one-device `topk_indices` (order, ties to the lower position, -1 padding of rows shorter than k). k = 64 over 4
+    ranks gives shards of 50 columns, narrower than k: every visible key is a candidate."""
     gen = torch.Generator().manual_seed(world)
-    k, width = 16, 200
+    width = 200
     logits = (torch.randn(7, width, generator=gen) * 2).round() * torch.randn(7, 1, generator=gen).sign()
     lens = torch.tensor([200, 0, 1, 5, 17, 16, 123], dtype=torch.int32)
     col = torch.arange(width)
