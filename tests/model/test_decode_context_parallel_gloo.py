@@ -67,7 +67,7 @@ def _decode_run(name: str, rank: int | None = None, world: int = 1, group=None) 
                                cache, compressor_state=state)
         else:
             store_keys_sharded(indexer, x, pb, cache, table[b:b + 1], rank=rank, world=world, compressor_state=state)
-    outs, held = [], None
+    outs, held, derived = [], None, []
     for step in range(steps):
         seq = [p + (step + 1) * next_n for p in prefix]
         x = torch.randn(batch_size * next_n, cfg.hidden_size, generator=gen).to(torch.bfloat16)
@@ -79,14 +79,26 @@ def _decode_run(name: str, rank: int | None = None, world: int = 1, group=None) 
         else:
             sb = ShardedDecodeBatch.build(seq, table, rank=rank, world=world, next_n=next_n,
                                           num_cache_pages=cache.num_pages, compress_ratio=ratio)
+            before = (cache.data.clone(), state.window.clone() if state is not None else None)
             out = context_parallel_decode(indexer, x, q_lora, sb.positions, sb, cache, group=group,
                                           compressor_state=state)
             slots = sb.local_slots(out)
+            # The same step again from the batch a CUDA graph derives on the device, from the same cache and state.
+            after = (cache.data.clone(), state.window.clone() if state is not None else None)
+            cache.data.copy_(before[0])
+            if state is not None:
+                state.window.copy_(before[1])
+            db = ShardedDecodeBatch.derive(torch.tensor(seq, dtype=torch.int32), table, rank=rank, world=world,
+                                           max_context_len=sb.max_context_len, next_n=next_n, compress_ratio=ratio)
+            derived.append((context_parallel_decode(indexer, x, q_lora, db.positions, db, cache, group=group,
+                                                    compressor_state=state),
+                            torch.equal(cache.data, after[0]),
+                            state is None or torch.equal(state.window, after[1])))
         outs.append(out)
         valid = slots >= 0  # the key bytes of the chosen keys this process holds (all of them on one device)
         keys, scales = gather_rows(cache.data, slots[valid])
         held = (valid, keys.view(torch.uint8), scales)
-    return {"topk": outs, "held": held}
+    return {"topk": outs, "held": held, "derived": derived}
 
 
 def _prefill_problem(name: str):
@@ -144,6 +156,8 @@ def test_sharded_decode_and_tp_prefill_over_gloo_equal_one_device(world):
         for rank, result in enumerate(ranks):
             for step, (got, expected) in enumerate(zip(result[name]["topk"], want["topk"])):
                 assert torch.equal(got, expected), (name, rank, step)
+                derived, same_cache, same_state = result[name]["derived"][step]
+                assert torch.equal(derived, expected) and same_cache and same_state, (name, rank, step)
         # The chosen keys' bytes, read through each rank's local slots, are the one-device cache's bytes.
         valid, keys, scales = want["held"]
         out = want["topk"][-1]
