@@ -159,7 +159,7 @@ def _shard_metadata(seq_lens: torch.Tensor, table: torch.Tensor, state_slots: to
 class ShardedDecodeBatch:
     """One decode step of B requests x next_n rows whose index-k cache is sharded over ``world`` ranks.
 
-    Sharding: key ``p`` of a request (token p; for C4 compressed entry j, the keys of positions 4j..4j+3) lives on
+    Sharding: key ``p`` of a request (token p; for C4, compressed entry j, which pools tokens 4j..4j+3) lives on
     rank ``p % world`` at local position ``p // world`` of that rank's own paged cache (its own block table).
     Interleaved rather than blocked: decode appends keys one at a time, and round robin spreads every request's new
     keys, its pages and its scoring work evenly over the ranks at any length (a blocked split puts all of a growing
