@@ -862,6 +862,27 @@ class Indexer(nn.Module):
         chunks = batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
         return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks)
 
+    def decode_logits(self, x, q_lora, positions, batch: DecodeBatch, cache: IndexKCache, *,
+                      q_lora_quant: QuantizedActivation | None = None,
+                      compressor_state: CompressorState | None = None) -> torch.Tensor:
+        """A decode step up to its logits: the keys stored (C4: the compressor's step), then fp32
+        ``[B * next_n, batch.max_context_len]`` from `paged_mqa_logits`, -inf past each row's length (a public seam:
+        context-parallel decode takes its shard's top-k with the scores the exact merge compares)."""
+        if not isinstance(batch, DecodeBatch):
+            raise IndexerInputError(f"batch must be a DecodeBatch, got {type(batch).__name__}")
+        self.check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
+        if cache.is_plain:
+            raise IndexerInputError(f"decode_logits reads the fp8 paged cache; a {cache.layout} cache (the NPU's plain "
+                                    "layout) is scored by the fused lightning_indexer_ragged only: call the indexer")
+        plan = self.step_plan(x.shape[0], True, has_quant=q_lora_quant is not None, cache_layout=cache.layout,
+                              next_n=batch.next_n, dtype=x.dtype)
+        key_store = (batch.slot_mapping if self.compressor is None
+                     else self.compression_step(batch, compressor_state))
+        q_fp8, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache.data, q_lora_quant)
+        q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
+        return plan.run("logits", "paged_mqa_logits", q, cache.data, weights, batch.context_lens, batch.block_table,
+                        batch.max_context_len)
+
     def _score_rows(self, plan: StepPlan, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache,
                     q_lora_quant, chunks) -> torch.Tensor:
         """Bounded scoring: per planned chunk of rows, the q path of the chunk, then its logits and top-k (for a plain
