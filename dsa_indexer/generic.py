@@ -15,7 +15,7 @@ from .contract.cache import decode_row_requests
 from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .dispatch.target import Target
-from .dispatch.verification import CPU_SUITE, ran_on
+from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 from .pipeline import register_single_stream, register_x_projections_torch
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
@@ -74,7 +74,11 @@ def make_ragged_mqa_topk_composed(inner: InnerOps):
 RAGGED_COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "dd525a6", "2026-12-01",
                                               "tests/gpu/test_prefill_scoring_gpu.py; benchmarks/results/"
                                               "prefill_scoring_h200.json"))
-COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02", "benchmarks/results/decode_s6_h200.json"))
+# The V3.2 decode step on simulated AMD targets, with aiter's fused quant and CK GEMM as doubles.
+AMD_STEP = Verified(Level.DOUBLE, ("gfx942", "gfx950", "gfx1250"), "tests/backends/test_amd_q_lora_reuse.py (the "
+                                                                   "V3.2 decode step, aiter's quant and GEMM doubled)")
+COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02", "benchmarks/results/decode_s6_h200.json"),
+                     AMD_STEP)
 
 
 @hookimpl

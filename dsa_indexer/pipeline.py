@@ -233,7 +233,10 @@ def register_single_stream(registry) -> None:
                             priority=0, supports=fp8_cache_only,
                             description="all steps in order on the current stream",
                             verified=(CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02",
-                                                        "benchmarks/results/decode_s6_h200.json; tests/gpu"))
+                                                        "benchmarks/results/decode_s6_h200.json; tests/gpu"),
+                                      Verified(Level.DOUBLE, ("gfx942", "gfx950", "gfx1250"),
+                                               "tests/backends/test_amd_q_lora_reuse.py (the V3.2 decode step, "
+                                               "aiter's quant and GEMM doubled)"))
                             )(lambda: single_stream)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.plain_single_stream", targets=("*",),
                             priority=1, supports=plain_cache_only,  # 1: no tie with single_stream (disjoint anyway)
