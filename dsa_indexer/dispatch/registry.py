@@ -5,6 +5,7 @@ serves (an exact arch such as ``sm90``, a family such as ``rocm``, or ``*``), an
 the environment facts it needs (``gpu``, ``triton``, a vendor library's fact ...), its declared ``capabilities``
 (`dispatch.capabilities.Capabilities`: heads, dims, fp8 flavours, next_n ... as data), and two checks that return a
 reason when they say no: ``available(target, env)`` and ``supports(problem, target)`` (for what data cannot say).
+Its ``verified`` records (`dispatch.verification`) say how far it was checked on which archs (`dsa-indexer matrix`).
 
 `Registry.resolve` is a pure function of (op, target, problem, environment, overrides) and returns a
 `Resolution` that lists every candidate with its verdict. `Registry.call` caches the chosen function per
