@@ -1,4 +1,5 @@
-"""`dsa-indexer`: info (what is here), explain (why an implementation was chosen), run (the main job)."""
+"""`dsa-indexer`: info (what is here), explain (why an implementation was chosen), matrix (every op on every arch),
+run (the main job)."""
 
 from __future__ import annotations
 
@@ -192,6 +193,58 @@ def cmd_explain(args) -> int:
     for res in results:
         print(res.explain())
         print()
+    return 0
+
+
+def matrix_registry(with_plugins: bool):
+    """The registry the matrix is read from: the built-in backends alone (what docs/matrix.md shows, whatever is
+    installed), or the process's, with the installed third-party backends too."""
+    if with_plugins:
+        return default_registry()
+    from .dispatch.environment import Environment
+    from .dispatch.plugins import load_plugins
+    from .dispatch.registry import Registry
+
+    registry = Registry(environment=Environment.simulated())
+    load_plugins(registry, entry_points=False)
+    return registry
+
+
+def matrix_targets(with_plugins: bool):
+    """Every arch the platforms list: the built-in platforms' alone unless third-party ones are asked for."""
+    from .dispatch import discovery
+    from .dispatch.platform import PLATFORM_ENTRY_POINT_GROUP
+
+    builtin = {entry.name for entry in discovery.builtin_entries(PLATFORM_ENTRY_POINT_GROUP)}
+    return tuple(t for t in known_targets() if with_plugins or t.vendor in builtin)
+
+
+def build_arch_matrix(assume: Sequence[tuple[str, bool]] = (), with_plugins: bool = False):
+    """The matrix `dsa-indexer matrix` prints: every fact a registration requires assumed present, unless
+    ``assume`` names the facts (then those not named are absent, as for info and explain)."""
+    from .dispatch.matrix import build_matrix
+
+    registry = matrix_registry(with_plugins)
+    if assume:
+        _environment(assume, registry)  # an unknown fact's name is refused here, naming the known ones
+        assumed = dict(assume)
+    else:
+        assumed = {fact: True for fact in sorted(registry.required_facts())}
+    return build_matrix(registry, matrix_targets(with_plugins), lambda op, target: _problem_for(op, target, {}),
+                        assumed)
+
+
+def cmd_matrix(args) -> int:
+    from .dispatch import matrix as arch_matrix
+
+    matrix = build_arch_matrix(args.assume, args.plugins)
+    if args.json:
+        _write_json({"dsa_indexer": __version__, **matrix.to_dict()}, args.json)
+        return 0
+    if args.markdown:
+        sys.stdout.write(arch_matrix.to_markdown(matrix))
+    else:
+        print(arch_matrix.to_text(matrix))
     return 0
 
 
@@ -483,6 +536,25 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", type=_writable_json_path, metavar="FILE",
                          help="write the traces as JSON to FILE ('-': stdout) instead of the text")
     explain.set_defaults(func=cmd_explain)
+
+    matrix = sub.add_parser(
+        "matrix", help="every op on every arch: the implementation chosen (native, fallback or refused, with the "
+                       "reason) and how that cell was verified",
+        description="Every op on every arch the built-in platforms list, resolved for the op's default problem with "
+                    "every vendor library assumed present (--assume to change that): the implementation chosen, "
+                    "whether it is native, the reference fallback or refused, the candidates of that arch that said "
+                    "no with their reasons, and how the chosen implementation was verified on that arch (hardware "
+                    "run with commit and date, interpreter, vendor schemas, test double, or only read). "
+                    "docs/matrix.md is the --markdown output.")
+    matrix.add_argument("--assume", nargs="*", type=_assumed_fact, default=[], metavar="FACT=yes|no",
+                        help="the facts instead of all present (facts not named are absent)")
+    matrix.add_argument("--plugins", action="store_true",
+                        help="include the installed third-party backends and platforms (default: the built-in ones)")
+    output = matrix.add_mutually_exclusive_group()
+    output.add_argument("--json", type=_writable_json_path, metavar="FILE",
+                        help="write the matrix as JSON to FILE ('-': stdout)")
+    output.add_argument("--markdown", action="store_true", help="print the matrix as Markdown (docs/matrix.md)")
+    matrix.set_defaults(func=cmd_matrix)
 
     run = sub.add_parser("run", help="run the default indexer on synthetic decode and prefill batches, verify, time")
     run.add_argument("--model", default="deepseek-v3.2", choices=("deepseek-v3.2", "deepseek-v4-flash"))

@@ -15,6 +15,7 @@ from .contract.cache import decode_row_requests
 from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .dispatch.target import Target
+from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 from .pipeline import register_single_stream, register_x_projections_torch
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
@@ -69,16 +70,29 @@ def make_ragged_mqa_topk_composed(inner: InnerOps):
     return ragged_mqa_topk_composed
 
 
+# On the H200 with the Triton / DeepGEMM kernels inside; elsewhere on CPU tensors only.
+RAGGED_COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "dd525a6", "2026-12-01",
+                                              "tests/gpu/test_prefill_scoring_gpu.py; benchmarks/results/"
+                                              "prefill_scoring_h200.json"))
+# The V3.2 decode step on simulated AMD targets, with aiter's fused quant and CK GEMM as doubles.
+AMD_STEP = Verified(Level.DOUBLE, ("gfx942", "gfx950", "gfx1250"), "tests/backends/test_amd_q_lora_reuse.py (the "
+                                                                   "V3.2 decode step, aiter's quant and GEMM doubled)")
+COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02", "benchmarks/results/decode_s6_h200.json"),
+                     AMD_STEP)
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     inner = InnerOps(registry)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
                             priority=RAGGED_COMPOSED_PRIORITY,
                             description="ragged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True)(lambda: make_ragged_mqa_topk_composed(inner))
+                            takes_target=True,
+                            verified=RAGGED_COMPOSED_VERIFIED)(lambda: make_ragged_mqa_topk_composed(inner))
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True)(lambda: make_lightning_indexer_composed(inner))
+                            takes_target=True,
+                            verified=COMPOSED_VERIFIED)(lambda: make_lightning_indexer_composed(inner))
     register_single_stream(registry)
     register_x_projections_torch(registry)

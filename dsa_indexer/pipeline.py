@@ -22,6 +22,7 @@ from .compressor import CompressionStep
 from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 from .contract.specs import PIPELINE_OP
+from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 from .plan import StepPlan
 
 
@@ -223,14 +224,24 @@ def x_projections_torch(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.T
 
 def register_x_projections_torch(registry) -> None:
     registry.implementation("x_projections", impl_id="x_projections.generic.torch", targets=("*",), priority=1,
-                            description="two F.linear calls (torch's GEMMs, any target)")(lambda: x_projections_torch)
+                            description="two F.linear calls (torch's GEMMs, any target)",
+                            verified=(CPU_SUITE,))(lambda: x_projections_torch)
 
 
 def register_single_stream(registry) -> None:
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.single_stream", targets=("*",),
                             priority=0, supports=fp8_cache_only,
-                            description="all steps in order on the current stream")(lambda: single_stream)
+                            description="all steps in order on the current stream",
+                            verified=(CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02",
+                                                        "benchmarks/results/decode_s6_h200.json; tests/gpu"),
+                                      Verified(Level.DOUBLE, ("gfx942", "gfx950", "gfx1250"),
+                                               "tests/backends/test_amd_q_lora_reuse.py (the V3.2 decode step, "
+                                               "aiter's quant and GEMM doubled)"))
+                            )(lambda: single_stream)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.plain_single_stream", targets=("*",),
                             priority=1, supports=plain_cache_only,  # 1: no tie with single_stream (disjoint anyway)
-                            description="all steps in order, for a bf16 / int8 plain-layout cache"
+                            description="all steps in order, for a bf16 / int8 plain-layout cache",
+                            # On npu its steps call operators bound by torch_npu's published schemas (CPU CI).
+                            verified=(CPU_SUITE, Verified(Level.VENDOR_SCHEMA, ("npu",),
+                                                          "tests/backends/test_npu_backend.py, test_npu_schemas.py"))
                             )(lambda: plain_single_stream)

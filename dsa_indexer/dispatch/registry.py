@@ -5,6 +5,7 @@ serves (an exact arch such as ``sm90``, a family such as ``rocm``, or ``*``), an
 the environment facts it needs (``gpu``, ``triton``, a vendor library's fact ...), its declared ``capabilities``
 (`dispatch.capabilities.Capabilities`: heads, dims, fp8 flavours, next_n ... as data), and two checks that return a
 reason when they say no: ``available(target, env)`` and ``supports(problem, target)`` (for what data cannot say).
+Its ``verified`` records (`dispatch.verification`) say how far it was checked on which archs (`dsa-indexer matrix`).
 
 `Registry.resolve` is a pure function of (op, target, problem, environment, overrides) and returns a
 `Resolution` that lists every candidate with its verdict. `Registry.call` caches the chosen function per
@@ -27,6 +28,7 @@ from .capabilities import Capabilities
 from .environment import Environment
 from .problem import Problem
 from .target import Target, note_registered_archs, reload_environment
+from .verification import Verified, verification_for
 
 FORCE_ENV = "DSA_INDEXER_FORCE"
 STRICT_ENV = "DSA_INDEXER_STRICT"
@@ -56,6 +58,8 @@ class Implementation:
     takes_target: bool = False
     # The facts it takes, as data; checked before ``supports``, every failing fact reported at once.
     capabilities: Capabilities | None = None
+    # How far it has been checked on which archs (`dispatch.verification`); an arch none covers reads as "read".
+    verified: tuple[Verified, ...] = ()
 
     def __post_init__(self) -> None:
         parts = self.impl_id.split(".")
@@ -65,6 +69,10 @@ class Implementation:
             raise ValueError(f"{self.impl_id}: targets must name at least one arch, family or '*'")
         object.__setattr__(self, "targets", tuple(self.targets))
         object.__setattr__(self, "requires", tuple(self.requires))
+        object.__setattr__(self, "verified", tuple(self.verified))
+        wrong = [v for v in self.verified if not isinstance(v, Verified)]
+        if wrong:
+            raise TypeError(f"{self.impl_id}: verified= takes dispatch.verification.Verified records, got {wrong!r}")
 
     @property
     def vendor(self) -> str:
@@ -72,6 +80,10 @@ class Implementation:
 
     def serves(self, target: Target) -> bool:
         return any(t == "*" or t == target.arch or t == target.vendor for t in self.targets)
+
+    def verification(self, target: Target) -> Verified:
+        """The strongest evidence recorded for ``target``'s arch (level ``read`` where none is)."""
+        return verification_for(self.verified, target.arch, target.vendor)
 
 
 @dataclass(frozen=True)
@@ -215,14 +227,14 @@ class Registry:
     def implementation(self, op: str, *, impl_id: str, targets: Iterable[str], priority: int,
                        requires: Iterable[str] = (), available: Check | None = None, supports: Check | None = None,
                        description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None,
-                       takes_target: bool = False, capabilities: Capabilities | None = None
-                       ) -> Callable[[Callable], Callable]:
+                       takes_target: bool = False, capabilities: Capabilities | None = None,
+                       verified: Iterable[Verified] = ()) -> Callable[[Callable], Callable]:
         """Decorator form: the decorated function is the factory returning the kernel callable."""
 
         def wrap(factory: Callable[[], Callable]) -> Callable[[], Callable]:
             self.register(Implementation(op, impl_id, tuple(targets), priority, factory, tuple(requires), available,
                                          supports, description or (factory.__doc__ or "").strip().split("\n")[0],
-                                         origin, dict(info or {}), takes_target, capabilities))
+                                         origin, dict(info or {}), takes_target, capabilities, tuple(verified)))
             return factory
 
         return wrap

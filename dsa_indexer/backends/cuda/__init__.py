@@ -33,6 +33,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
+from ...dispatch.verification import Level, Verified, ran_on
 from ...contract.quant import Fp8GroupLayout
 
 DEEPGEMM_PRIORITY = 200
@@ -248,6 +249,34 @@ def _factory(op: str):
     return factory
 
 
+# What ran where: sm90 on the H200 (upstream DeepGEMM 2.6.1 built from source there; the commit that recorded the
+# run); sm100 never ran on a GPU: the adapters are tested against doubles of DeepGEMM's API (tests/doubles), the
+# JIT kernels only resolved.
+_SM100_ADAPTERS = Verified(Level.DOUBLE, ("sm100",), "tests/backends/test_cuda_backend_cpu.py (fake deep_gemm API "
+                                                     "generations), test_gemm_scale_fmt.py (tests/doubles/"
+                                                     "deep_gemm_sm100.py)")
+VERIFIED = {
+    "paged_mqa_logits": (ran_on("sm90", "a6aa63f", "2026-12-01", "benchmarks/results/decode_step_h200.json; "
+                                                                 "tests/gpu/test_cuda_backend_gpu.py"),
+                         _SM100_ADAPTERS),
+    "ragged_mqa_logits": (ran_on("sm90", "540b599", "2026-12-01", "benchmarks/results/bench_h200.json"),
+                          _SM100_ADAPTERS),
+    "gemm_fp8_blockscale": (ran_on("sm90", "540b599", "2026-12-01", "benchmarks/results/run_v32.json"),
+                            _SM100_ADAPTERS),
+}
+FP4_VERIFIED = (Verified(Level.DOUBLE, ("sm100",), "tests/backends/test_deepgemm_fp4_paged_cpu.py, test_deepgemm_fp4_"
+                                                   "ragged_cpu.py (tests/doubles/deep_gemm_sm100.py)"),)
+RADIX_VERIFIED = (ran_on("sm90", "6846d27", "2026-12-02", "tests/gpu/test_cuda_topk_gpu.py; "
+                                                          "benchmarks/results/topk_short_rows_h200.json"),)
+# flashinfer did not import on the H200 (docs/performance.md): only its documented call, as a double.
+FLASHINFER_VERIFIED = (Verified(Level.DOUBLE, JIT_TARGETS, "tests/ops/test_no_silent_wrong_results.py "
+                                                           "(tests/doubles/flashinfer.py)"),)
+LIGHTNING_VERIFIED = (ran_on("sm90", "90cca2e", "2026-12-02", "benchmarks/results/decode_s6_h200.json"),)
+RAGGED_TOPK_VERIFIED = (ran_on("sm90", "dd525a6", "2026-12-01", "tests/gpu/test_prefill_scoring_gpu.py; "
+                                                                "benchmarks/results/prefill_scoring_h200.json"),)
+FUSED_LIGHTNING_VERIFIED = (ran_on("sm90", "6e8b140", "2026-12-01", "tests/gpu/test_decode_fused_gpu.py"),)
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     registry.add_probe("deep_gemm", _deep_gemm_probe)  # a simulated environment keeps its fixed facts
@@ -257,7 +286,7 @@ def dsa_indexer_register(registry: Registry) -> None:
         registry.implementation(op, impl_id=f"{op}.cuda.deepgemm", targets=DEEPGEMM_TARGETS,
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
                                 supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
-                                info=info)(_factory(op))
+                                info=info, verified=VERIFIED[op])(_factory(op))
     # DEEPGEMM_PRIORITY - 1: no tie with the fp8 adapter on sm100 (the keys fact keeps the two apart).
     # native_fp4: sm100's FP4 MMAs take the packed operands (no nibble decode): `Indexer.fp4_prefill_keys="auto"`
     # reads the FP4 pages as stored for prefill where the FP4 ragged logits resolve to such an implementation.
@@ -266,33 +295,34 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
                                 available=_fp4_available(op), supports=_fp4_supports,
                                 capabilities=FP4_CAPABILITIES[op], description=FP4_DESCRIPTIONS[op],
-                                info={"native_fp4": True})(_fp4_factory(op))
+                                info={"native_fp4": True}, verified=FP4_VERIFIED)(_fp4_factory(op))
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
-                            description="CUDA C++ cluster radix select, rows in shared memory (JIT-built)"
-                            )(_topk_factory)
+                            description="CUDA C++ cluster radix select, rows in shared memory (JIT-built)",
+                            verified=RADIX_VERIFIED)(_topk_factory)
     registry.add_probe("flashinfer", _flashinfer_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.flashinfer", targets=JIT_TARGETS,
                             priority=60, requires=("gpu", "flashinfer"), supports=_flashinfer_supports,
-                            description="FlashInfer top_k_ragged_transform, deterministic lower-index ties"
-                            )(_flashinfer_factory)
+                            description="FlashInfer top_k_ragged_transform, deterministic lower-index ties",
+                            verified=FLASHINFER_VERIFIED)(_flashinfer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_lightning_available, capabilities=PAGED_CAPS,  # its logits half
-                            description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k"
-                            )(_lightning_factory)
+                            description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k",
+                            verified=LIGHTNING_VERIFIED)(_lightning_factory)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_available("ragged_mqa_logits"), capabilities=LOGITS_CAPS,
                             description="DeepGEMM ragged logits read in their padded rows by the CUDA top-k (no "
-                                        "contiguous copy of the logits)")(_ragged_topk_factory)
+                                        "contiguous copy of the logits)",
+                            verified=RAGGED_TOPK_VERIFIED)(_ragged_topk_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.fused", targets=JIT_TARGETS,
                             priority=FUSED_LIGHTNING_PRIORITY, requires=("gpu", "cuda_jit"),
                             capabilities=FUSED_LIGHTNING_CAPS,
                             description="one CUDA kernel: fp8 mma.sync paged logits in shared memory + cluster radix "
-                                        "top-k (JIT-built; opt-in: slower than DeepGEMM + radix on the H200)"
-                            )(_fused_lightning_factory)
+                                        "top-k (JIT-built; opt-in: slower than DeepGEMM + radix on the H200)",
+                            verified=FUSED_LIGHTNING_VERIFIED)(_fused_lightning_factory)
     from .dual_stream import register_dual_stream
 
     register_dual_stream(registry)

@@ -53,6 +53,7 @@ from ...contract.cache import LAYOUT_PAGED64
 from ...envflags import EnvironmentFlagError, env_flag, parse_count, parse_sm_limit
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
+from ...dispatch.verification import ran_on
 from ...contract.specs import PIPELINE_OP
 
 log = logging.getLogger("dsa_indexer")
@@ -182,5 +183,7 @@ def register_dual_stream(registry) -> None:
 
     registry.implementation(PIPELINE_OP, impl_id=IMPL_ID, targets=("cuda",), priority=PRIORITY, requires=("gpu",),
                             supports=supports,
-                            description="q path on the current stream, k path on a side stream (<= 1024 tokens)"
-                            )(factory)
+                            description="q path on the current stream, k path on a side stream (<= 1024 tokens)",
+                            verified=(ran_on("sm90", "90cca2e", "2026-12-02",
+                                             "tests/gpu/test_cuda_backend_gpu.py (bit-identical to single stream); "
+                                             "benchmarks/results/decode_s6_h200.json"),))(factory)

@@ -35,6 +35,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
+from ...dispatch.verification import Level, Verified
 from ...dispatch.vendor import VendorLibrary
 from ...contract.specs import PIPELINE_OP
 from . import api as npu_api
@@ -175,6 +176,16 @@ def _plain_cache_only(problem: Problem, target: Target) -> str | None:
     return f"serves the plain layouts torch_npu's indexers read (paged64_bf16 / paged64_int8), not {layout}"
 
 
+# Never run on Ascend hardware or with a real torch_npu: CPU CI calls these through operators registered with
+# torch.library under op-plugin's published schemas (tests/data/torch_npu_schemas.json, four releases).
+SCHEMA_VERIFIED = (Verified(Level.VENDOR_SCHEMA, ("npu",), "tests/backends/test_npu_schemas.py, test_npu_backend.py "
+                                                           "(tests/data/torch_npu_schemas.json)"),)
+# The fp8 pages path: the schemas above plus a double that follows each release's and product's documented dtypes.
+FP8_PAGES_VERIFIED = (Verified(Level.VENDOR_SCHEMA, ("npu",), "tests/backends/test_npu_fp8_pages_and_weights.py "
+                                                              "(tests/data/torch_npu_schemas.json, "
+                                                              "tests/doubles/torch_npu.py)"),)
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     registry.add_probe("torch_npu", torch_npu_probe)  # a simulated environment keeps its fixed facts
@@ -215,8 +226,8 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("lightning_indexer_ragged", impl_id="lightning_indexer_ragged.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
                             supports=_indexer_api_supports,
-                            description="torch_npu npu_lightning_indexer (bf16) / npu_quant_lightning_indexer (int8)"
-                            )(indexer_factory)
+                            description="torch_npu npu_lightning_indexer (bf16) / npu_quant_lightning_indexer (int8)",
+                            verified=SCHEMA_VERIFIED)(indexer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.npu.torch_npu_fp8", targets=("npu",),
                             priority=NPU_PRIORITY, requires=requires, supports=_fp8_pages_supports,
                             description="torch_npu npu_quant_lightning_indexer, fp8 query and keys (Ascend 950PR / "
@@ -224,17 +235,18 @@ def dsa_indexer_register(registry: Registry) -> None:
                             info={"vendor_function": "torch_npu.npu_quant_lightning_indexer (float8_e4m3fn, "
                                                      "op-plugin 26.1.0 09024aa9 / master 517f2e7d docs)",
                                   "weights": "sign(w) as bf16 weights, |w| as the fp32 query_dequant_scale: exact",
-                                  "ties": "the kernel's (undocumented) order among equal scores"}
-                            )(fp8_factory)
+                                  "ties": "the kernel's (undocumented) order among equal scores"},
+                            verified=FP8_PAGES_VERIFIED)(fp8_factory)
     registry.implementation("k_prologue_store_plain", impl_id="k_prologue_store_plain.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
                             supports=_prologue_supports(store=True),
-                            description="RoPE by npu_rotary_mul (+ int8 by npu_dynamic_quant), npu_scatter_nd_update_"
-                            )(store_factory)
+                            description="RoPE by npu_rotary_mul (+ int8 by npu_dynamic_quant), npu_scatter_nd_update_",
+                            verified=SCHEMA_VERIFIED)(store_factory)
     registry.implementation("q_prologue_plain", impl_id="q_prologue_plain.npu.torch_npu", targets=("npu",),
                             priority=NPU_PRIORITY, requires=requires, supports=_prologue_supports(store=False),
-                            description="RoPE by npu_rotary_mul (+ Hadamard, int8 by npu_dynamic_quant)")(q_factory)
+                            description="RoPE by npu_rotary_mul (+ Hadamard, int8 by npu_dynamic_quant)",
+                            verified=SCHEMA_VERIFIED)(q_factory)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.npu.two_stream", targets=("npu",),
                             priority=PIPELINE_PRIORITY, requires=requires, supports=_plain_cache_only,
-                            description="k path on a side NPU stream, q path on the current one"
-                            )(pipeline_factory)
+                            description="k path on a side NPU stream, q path on the current one",
+                            verified=SCHEMA_VERIFIED)(pipeline_factory)

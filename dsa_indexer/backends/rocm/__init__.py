@@ -34,6 +34,7 @@ from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
 from ...dispatch.target import Target
+from ...dispatch.verification import Level, Verified
 from ...contract.quant import GEMM_INPUT_LAYOUT, PRODUCER_UNROUNDED
 from .paged import MAX_INT32_PAGES
 from .quant import aiter_fused_rms_fp8_group_quant
@@ -247,6 +248,25 @@ def _topk_factory():
     return make_topk_indices()
 
 
+# What ran where (docs/backends-amd-npu.md, "What was run where"): nothing on AMD hardware. Each adapter is tested
+# in CPU CI against a double of aiter's function (tests/doubles/aiter.py); aiter's Triton kernels also ran on the
+# H200 behind a test-only shim, which says nothing about an AMD device.
+_H200_SHIM = ("; aiter's real kernel also ran on the H200 behind a test-only shim "
+              "(tests/gpu/test_rocm_aiter_kernels_on_h200.py)")
+# gfx1250 is refused by these adapters' supports checks (below), so nothing is claimed there.
+_SERVED = ("gfx942", "gfx950")
+RAGGED_VERIFIED = (Verified(Level.DOUBLE, _SERVED, "tests/backends/test_rocm_npu_backends_cpu.py (a double "
+                                                         "with aiter's start-alignment bug)" + _H200_SHIM),)
+PAGED_VERIFIED = (Verified(Level.DOUBLE, _SERVED, "tests/backends/test_rocm_npu_backends_cpu.py (a double "
+                                                        "keeping aiter main's routing rules)" + _H200_SHIM),)
+GEMM_VERIFIED = (Verified(Level.DOUBLE, _SERVED, "tests/backends/test_rocm_npu_backends_cpu.py, "
+                                                              "test_rocm_audit_round2.py (a double of its signature)"),)
+RMS_QUANT_VERIFIED = (Verified(Level.DOUBLE, ("gfx950", "gfx1250"), "tests/backends/test_amd_q_lora_reuse.py (a "
+                                                                    "double of its recipe)" + _H200_SHIM),)
+TOPK_VERIFIED = (Verified(Level.DOUBLE, _SERVED, "tests/backends/test_rocm_npu_backends_cpu.py (a double of "
+                                                       "the decode top-k's semantics and bit order, NaN included)"),)
+
+
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     registry.add_probe("aiter", _aiter_probe)  # a simulated environment keeps its fixed facts
@@ -259,6 +279,7 @@ def dsa_indexer_register(registry: Registry) -> None:
               "workaround": "aiter misplaces the masked block when a row start is not a multiple of 128: starts "
                             "are passed rounded down and columns [ks & ~127, ks) are set to -inf after",
               "not_used": FLYDSL_FP8},
+        verified=RAGGED_VERIFIED,
     )(_ragged_factory)
     registry.implementation(
         "paged_mqa_logits", impl_id="paged_mqa_logits.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
@@ -273,6 +294,7 @@ def dsa_indexer_register(registry: Registry) -> None:
                                  "that reads page size 1 (Triton >= 3.5 on gfx942/950/1250): not called",
               "fp4_pages": FLYDSL_FP4,
               "split_kv": "per power-of-two row bucket; every bucket compiled by the probe (paged.split_kv)"},
+        verified=PAGED_VERIFIED,
     )(_paged_factory)
     registry.implementation(
         "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,
@@ -281,6 +303,7 @@ def dsa_indexer_register(registry: Registry) -> None:
         supports=_gemm_supports,
         description="aiter's CK gemm_a8w8_blockscale (x_scale [M, K/128] fp32 row-major, w_scale [N/128, K/128])",
         info={"vendor_function": "aiter.gemm_a8w8_blockscale", "input_layout": GEMM_INPUT_LAYOUT},
+        verified=GEMM_VERIFIED,
     )(_gemm_factory)
     registry.implementation(
         "rmsnorm_quant_fp8", impl_id="rmsnorm_quant_fp8.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
@@ -290,6 +313,7 @@ def dsa_indexer_register(registry: Registry) -> None:
                     "quantizes before bf16 rounding",
         info={"vendor_function": "aiter.ops.triton.fused_fp8_quant.fused_rms_fp8_group_quant",
               "producer": PRODUCER_UNROUNDED},
+        verified=RMS_QUANT_VERIFIED,
     )(_rms_quant_factory)
     registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter_stable", targets=AITER_TARGETS, priority=AITER_PRIORITY,
@@ -298,6 +322,7 @@ def dsa_indexer_register(registry: Registry) -> None:
         description="aiter HIP top_k_per_row_decode(stable=True) (k=2048): ties to the lower index, deterministic",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode(stable=True)",
               "ties": "stable=True: the smallest indices among values equal to the k-th (this op's contract)"},
+        verified=TOPK_VERIFIED,
     )(_topk_factory)
     registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter", targets=AITER_TARGETS, priority=TOPK_PRIORITY,
@@ -305,4 +330,5 @@ def dsa_indexer_register(registry: Registry) -> None:
         description="aiter HIP top_k_per_row_decode (k=2048); ties NOT lower-index (atomics): opt-in, below Triton",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode",
               "ties": "which of several equal logits at the k-th value are kept is not deterministic"},
+        verified=TOPK_VERIFIED,
     )(_topk_factory)

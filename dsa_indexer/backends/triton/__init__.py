@@ -12,6 +12,7 @@ import importlib
 from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.plugins import hookimpl
 from ...dispatch.registry import Registry
+from ...dispatch.verification import Level, Verified, ran_on
 
 TRITON_PRIORITY = 100
 # The fused prefill scoring (`fused_topk.py`) ranks BELOW the composition of the best logits and top-k kernels
@@ -39,6 +40,55 @@ KERNELS = {
     "c4_compress_pool": ("compressor", "c4_compress_pool"),
     "decode_metadata": ("metadata", "decode_metadata"),  # a graph decode step's positions, lengths, slots: 1 launch
 }
+
+
+# What ran where. sm90: the H200 (the commit that recorded the run). Every other Triton arch: the same kernel source
+# in Triton's CPU interpreter (CI); no sm100, sm120 or AMD device was available.
+INTERPRETED_ON = tuple(arch for arch in TRITON_TARGETS if arch != "sm90")
+_V32_RUN = "benchmarks/results/run_v32.json (dsa-indexer run on the H200, verified against the reference)"
+H200_RUNS = {
+    "quant_fp8_groups": ran_on("sm90", "b199e8b", "2026-12-01", "benchmarks/results/q_lora_reuse.json; "
+                                                                "tests/gpu/test_triton_quant_prologue_gpu.py"),
+    "rmsnorm_quant_fp8": ran_on("sm90", "540b599", "2026-12-01", _V32_RUN),
+    "q_prologue": ran_on("sm90", "540b599", "2026-12-01", _V32_RUN),
+    "k_prologue_store": ran_on("sm90", "540b599", "2026-12-01", _V32_RUN),
+    "q_prologue_fp4": ran_on("sm90", "3980ee1", "2026-12-01", "tests/gpu/test_fp4_gpu.py (bit-identical to the "
+                                                               "recipe; docs/v4.md)"),
+    "gemm_fp8_blockscale": ran_on("sm90", "a6aa63f", "2026-12-01", "benchmarks/results/decode_no_deepgemm_h200.json"),
+    "x_projections": ran_on("sm90", "0eee8a5", "2026-12-01", "benchmarks/results/decode_glue_h200.json; "
+                                                             "tests/gpu/test_x_projections_gpu.py"),
+    "ragged_mqa_logits": ran_on("sm90", "fbd03b3", "2026-12-01", "tests/gpu/test_triton_logits_topk_gpu.py, "
+                                                                 "test_fused_topk_gpu.py"),
+    "paged_mqa_logits": ran_on("sm90", "fbd03b3", "2026-12-01", "tests/gpu/test_triton_logits_topk_gpu.py"),
+    "topk_indices": ran_on("sm90", "540b599", "2026-12-01", "benchmarks/results/bench_h200.json; "
+                                                            "tests/gpu/test_triton_logits_topk_gpu.py"),
+    "c4_compress_pool": ran_on("sm90", "b199e8b", "2026-12-01", "benchmarks/results/run_v4.json, v4_compressor.json; "
+                                                                "tests/gpu/test_v4_c4_gpu.py"),
+    "decode_metadata": ran_on("sm90", "90cca2e", "2026-12-02", "benchmarks/results/decode_metadata_h200.json; the "
+                                                               "graph decode tests in tests/gpu"),
+}
+H200_FP4_RUNS = {
+    "paged_mqa_logits": ran_on("sm90", "905a84d", "2026-12-01", "tests/gpu/test_fp4_gpu.py (vs the CPU reference)"),
+    "ragged_mqa_logits": ran_on("sm90", "a609a71", "2026-12-02", "tests/gpu/test_fp4_gpu.py (packed vs folded "
+                                                                 "prefill); benchmarks/results/fp4_prefill_h200.json"),
+}
+H200_FUSED_TOPK_RUN = ran_on("sm90", "dd525a6", "2026-12-01", "tests/gpu/test_prefill_scoring_gpu.py; "
+                                                               "benchmarks/results/prefill_scoring_h200.json")
+_QUANT_INTERP = "test_triton_quant_prologue_interp.py"
+INTERPRETER_TESTS = {
+    "quant_fp8_groups": _QUANT_INTERP, "rmsnorm_quant_fp8": _QUANT_INTERP, "q_prologue": _QUANT_INTERP,
+    "k_prologue_store": _QUANT_INTERP, "gemm_fp8_blockscale": _QUANT_INTERP,
+    "q_prologue_fp4": "test_triton_fp4_prologue_interp.py",
+    "x_projections": "test_triton_xproj_interp.py", "ragged_mqa_logits": "test_triton_logits_topk_interp.py",
+    "paged_mqa_logits": "test_triton_logits_topk_interp.py", "topk_indices": "test_triton_logits_topk_interp.py",
+    "c4_compress_pool": "test_triton_c4_compress_interp.py", "decode_metadata": "test_triton_decode_metadata_interp.py",
+    "ragged_mqa_topk": "test_fused_topk_interp.py",
+}
+
+
+def _verified(hardware: Verified, interpreter_test: str, targets: tuple[str, ...]) -> tuple[Verified, ...]:
+    interpreted = tuple(arch for arch in targets if arch in INTERPRETED_ON)
+    return (hardware, Verified(Level.INTERPRETER, interpreted, f"tests/backends/triton/{interpreter_test}"))
 
 
 def _factory(module: str, name: str):
@@ -95,21 +145,28 @@ def dsa_indexer_register(registry: Registry) -> None:
         # The GEMM states the activation layout it takes (per-token groups of 128, fp32 row-major scales, the
         # target's fp8 flavour): what a reusable q_lora_quant must match, on NVIDIA and AMD alike.
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
-        registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=NVIDIA_ONLY.get(op, TRITON_TARGETS),
+        targets = NVIDIA_ONLY.get(op, TRITON_TARGETS)
+        registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=targets,
                                 priority=TRITON_PRIORITY,
                                 requires=("gpu", "triton"), capabilities=_capabilities(op),
-                                description=f"Triton kernel {module}.{name}", info=info)(_factory(module, name))
+                                description=f"Triton kernel {module}.{name}", info=info,
+                                verified=_verified(H200_RUNS[op], INTERPRETER_TESTS[op], targets)
+                                )(_factory(module, name))
     for op, (name, reads) in FP4_KERNELS.items():
         registry.implementation(op, impl_id=f"{op}.triton.logits_fp4", targets=TRITON_TARGETS,
                                 # - 1: below the fp8 kernel (no tie), so a problem that does not say its keys (the
                                 # CLI's, a coarse plan) gets the fp8 kernel; fp4 keys are refused by that one.
                                 priority=TRITON_PRIORITY - 1, requires=("gpu", "triton"), capabilities=FP4_LOGITS_CAPS,
                                 description=f"Triton kernel logits_fp4.{name}: {reads}, e2m1 + ue8m0 unpacked in "
-                                            "the kernel, fp8 dot per block of 32, fp32 sums"
+                                            "the kernel, fp8 dot per block of 32, fp32 sums",
+                                verified=_verified(H200_FP4_RUNS[op], "test_triton_fp4_logits_interp.py",
+                                                   TRITON_TARGETS)
                                 )(_factory("logits_fp4", name))
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             capabilities=_capabilities("ragged_mqa_topk"),
                             description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits",
-                            info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes}
+                            info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes},
+                            verified=_verified(H200_FUSED_TOPK_RUN, INTERPRETER_TESTS["ragged_mqa_topk"],
+                                               TRITON_TARGETS)
                             )(_factory("fused_topk", "ragged_mqa_topk"))
