@@ -73,3 +73,85 @@ def test_the_doubled_word_scan_catches_the_old_wording():
            "fp8\nk K a multiple of 128")
     assert len(_wording_faults(old)) == 4
     assert _wording_faults("heads 32, 64 or 128, group_size 32, 32\nop x, problem (dim=128)") == []
+
+
+# --- the README's shell examples and its API example ---------------------------------------------------------------
+def _readme_section(title: str) -> str:
+    return (ROOT / "README.md").read_text().split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _shell_examples() -> list[tuple[dict, list[str]]]:
+    """The runnable `dsa-indexer` lines of "Which implementation runs" (those ending in `...` are patterns): each as
+    (environment variables set before it, its arguments)."""
+    block = _readme_section("Which implementation runs, and why").split("```bash", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.strip().splitlines():
+        words = shlex.split(line, comments=True)
+        if words[-1] == "...":
+            continue
+        env = {}
+        while "=" in words[0]:
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        assert words[0] == "dsa-indexer", line
+        commands.append((env, words[1:]))
+    return commands
+
+
+def _paged_logits_choice(args: list[str], out: str) -> str:
+    """What the command chose for paged_mqa_logits, from its text or JSON output."""
+    if "--json" in args:
+        import json
+
+        return next(r["chosen"] for r in json.loads(out)["resolutions"] if r["op"] == "paged_mqa_logits")
+    if args[0] == "explain":
+        return next(line.split("=> ", 1)[1] for line in out.splitlines() if line.strip().startswith("=> "))
+    line = next(line for line in out.splitlines() if line.strip().startswith("paged_mqa_logits "))
+    return line.split("->", 1)[1].strip()
+
+
+def test_the_readme_shell_examples_run_and_the_simulated_ones_show_native_choices(monkeypatch, capsys):
+    """On a CPU machine too: a simulated target with `--assume` shows that target's own implementations, where the
+    probes alone would see no GPU and print the reference fallbacks."""
+    from dsa_indexer.dispatch.target import TARGET_ENV
+
+    commands = _shell_examples()
+    assert len(commands) == 4 and sum("--assume" in args for _, args in commands) == 3
+    for env, args in commands:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        default_registry().clear_cache()  # re-reads DSA_INDEXER_TARGET
+        try:
+            code = main(args)
+        finally:
+            for name in env:
+                monkeypatch.delenv(name)
+            default_registry().clear_cache()
+        out = capsys.readouterr().out
+        assert code == 0, (env, args)
+        if "--target" in args or TARGET_ENV in env:
+            assert "--assume" in args, args
+            chosen = _paged_logits_choice(args, out)
+            assert ".reference." not in chosen and "fallback" not in chosen, (args, chosen)
+
+
+def test_the_readme_api_example_runs_on_a_simulated_gfx942(monkeypatch):
+    """The API example as written, with DSA_INDEXER_TARGET=gfx942 (an MI300's e4m3fnuz fp8): `allocate_cache`
+    gives the cache that target's indexer writes, and attention's fp8 q_lora copy is reused there too."""
+    import torch
+
+    from dsa_indexer.dispatch.target import detect_target
+
+    code = _readme_section("The API, as a complete example").split("```python", 1)[1].split("```", 1)[0]
+    assert "indexer.allocate_cache(" in code and "IndexKCache.allocate(" not in code
+    monkeypatch.setenv("DSA_INDEXER_TARGET", "gfx942")
+    default_registry().clear_cache()
+    try:
+        assert detect_target("cpu").fp8_dtype == torch.float8_e4m3fnuz
+        scope = {"__name__": "readme_api_on_gfx942"}
+        with pytest.warns(RuntimeWarning, match="falls back to the slow reference"):  # no MI300 here
+            exec(compile(code, "README.md API example", "exec"), scope)
+    finally:
+        monkeypatch.delenv("DSA_INDEXER_TARGET")
+        default_registry().clear_cache()
+    assert scope["cache"].fp8_dtype == torch.float8_e4m3fnuz and str(scope["indexer"].target) == "gfx942"
