@@ -155,3 +155,50 @@ def test_the_readme_api_example_runs_on_a_simulated_gfx942(monkeypatch):
         monkeypatch.delenv("DSA_INDEXER_TARGET")
         default_registry().clear_cache()
     assert scope["cache"].fp8_dtype == torch.float8_e4m3fnuz and str(scope["indexer"].target) == "gfx942"
+
+
+# --- bench_floor.png ------------------------------------------------------------------------------------------------
+def test_the_bandwidth_plot_starts_at_zero_even_for_a_single_point(tmp_path, monkeypatch):
+    """One row (a CPU run of one size): matplotlib alone would span 0.00001% around it; the axis runs from 0 to
+    just above the highest point, in every panel."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from dsa_indexer import bench
+
+    report = bench.BenchReport("cpu", "cpu", bench.CPU_NOTE, {"copy_GBps": 10.0})
+    shape = {"batch": 1, "context": 1024}
+    report.rows += [
+        bench.Row("decode", "lightning_indexer", "lightning_indexer.reference.torch", shape, 100.0, 0.4, "GB/s",
+                  0.04),
+        bench.Row("topk", "topk_indices", "topk_indices.reference.torch", shape, 50.0, 0.2, "GB/s", 0.02),
+        bench.Row("topk", "topk_indices", "torch.topk (baseline)", shape, 40.0, 0.25, "GB/s", 0.025)]
+    figures = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
+    paths = bench.write_plots(report, tmp_path)
+    floor = {Path(p).name: fig for p, fig in zip(paths, figures)}["bench_floor.png"]
+    limits = {ax.get_title().split(":", 1)[0]: ax.get_ylim() for ax in floor.axes}
+    assert limits == {"lightning_indexer": pytest.approx((0.0, 4.4)), "topk_indices": pytest.approx((0.0, 2.75))}
+
+
+# --- DSA_INDEXER_PLUGINS --------------------------------------------------------------------------------------------
+def test_troubleshooting_says_what_the_plugin_allow_list_does(monkeypatch):
+    """The allow-list selects among the third-party entry points; the built-in backends load whatever it names."""
+    from dsa_indexer.dispatch import discovery
+    from dsa_indexer.dispatch.environment import Environment
+    from dsa_indexer.dispatch.plugins import ENTRY_POINT_GROUP, load_plugins
+    from dsa_indexer.dispatch.registry import Registry
+
+    text = " ".join((ROOT / "docs" / "troubleshooting.md").read_text().split())
+    assert "loads only those entry points" not in text
+    assert ("`DSA_INDEXER_PLUGINS=a,b` selects which third-party entry points load (the built-in backends always "
+            "load)") in text
+    monkeypatch.setenv("DSA_INDEXER_PLUGINS", "example")
+    registry = Registry(environment=Environment.simulated())
+    load_plugins(registry)
+    builtin = [entry.name for entry in discovery.builtin_entries(ENTRY_POINT_GROUP)]
+    assert registry.plugins_loaded == [*builtin, "example"] and registry.plugins_failed == []
+    monkeypatch.setenv("DSA_INDEXER_PLUGINS", "not_installed")
+    registry = Registry(environment=Environment.simulated())
+    load_plugins(registry)
+    assert registry.plugins_loaded == builtin
+    assert registry.plugins_failed[0].startswith("not_installed: named in DSA_INDEXER_PLUGINS but no such entry")
