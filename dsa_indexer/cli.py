@@ -587,8 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", nargs="+", default=["decode"], choices=SUITE_CHOICES,
                        help="decode (B x context: lightning_indexer, and the whole V3.2 indexer step per pipeline "
                             "strategy, single / dual stream, with and without q_lora reuse), topk (with "
-                            "torch.topk), prefill (query x key lengths), ops (each op alone, at one size); default "
-                            "decode")
+                            "torch.topk), prefill (query x key lengths), ops (those suites' three ops at one size "
+                            "each: lightning_indexer, topk_indices, ragged_mqa_logits, in rows labelled decode, "
+                            "topk, prefill; not the whole step); default decode")
     bench.add_argument("--device", default=None, help="cuda, cpu ... (default: the accelerator if present)")
     bench.add_argument("--repeats", type=_positive_int, default=None, help="samples per median (25 GPU, 5 CPU)")
     bench.add_argument("--batch", type=_positive_int, nargs="+", default=None, metavar="B",

@@ -106,6 +106,8 @@ def write_plots(report: BenchReport, folder) -> list[str]:
                 at = {tuple(r.shape.values()): r.fraction_of_ceiling for r in mine}
                 xs = [i for i, s in enumerate(shapes) if s in at]
                 ax.plot(xs, [100 * at[shapes[i]] for i in xs], marker="o", label=impl)
+            # From 0: autoscaled, a single point (or equal ones) gets a range a millionth of its value wide.
+            ax.set_ylim(0, 1.1 * max(100 * r.fraction_of_ceiling for r in rows) or 1.0)
             ax.set_xticks(range(len(shapes)), ["x".join(map(str, s)) for s in shapes], rotation=45, fontsize=7)
             ax.set_xlabel("B x context")
             ax.set_ylabel("bytes / time, % of the measured copy bandwidth")

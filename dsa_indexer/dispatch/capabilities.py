@@ -7,7 +7,8 @@ Each keyword is a problem fact; its value says which values the implementation t
 - a tuple (or set) of values;
 - a dict arch -> tuple (``None``: any value on that arch; an arch not listed takes none), for limits that differ
   per arch (the archs themselves live in the platforms: a dict only keys the ones an implementation serves);
-- a `Rule`: a predicate with the words for what it wants.
+- a `Rule`: a predicate with the words for what it wants, which follow the fact's name (``width at most 16384``,
+  so they do not repeat it).
 A fact the problem does not carry is not checked (a coarse problem, e.g. the CLI's defaults, stays resolvable).
 `reasons` reports every failing fact at once; the registry runs it before an implementation's own ``supports``
 (kept for what data cannot say, e.g. an environment knob), and `dsa-indexer explain` shows both.
@@ -98,6 +99,11 @@ class Capabilities:
             else:
                 out[name] = _words(allowed)
         return out
+
+    def takes_text(self) -> str:
+        """What is taken, as one line (`dsa-indexer explain`'s ``takes:``): each fact then its values, as in
+        ``heads 32, 64 or 128, width at most 16384 (...)`` (a `Rule`'s words follow its fact's name)."""
+        return ", ".join(f"{k} {v}" for k, v in self.describe().items())
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}: {v}" for k, v in self.describe().items())

@@ -131,7 +131,8 @@ class Resolution:
                 "failed_plugins": list(self.failed_plugins)}
 
     def explain(self) -> str:
-        lines = [f"op {self.op} on target {self.target} ({self.target.vendor}), problem {self.problem}",
+        facts = ", ".join(f"{k}={v}" for k, v in self.problem.items()) or "no facts"  # not "problem Problem(...)"
+        lines = [f"op {self.op} on target {self.target} ({self.target.vendor}), problem ({facts})",
                  f"environment: {self.environment}"]
         if self.forced:
             lines.append(f"forced: {self.forced}")
@@ -145,8 +146,7 @@ class Resolution:
             for key, value in self.chosen.info.items():
                 lines.append(f"     {key}: {value}")
             if self.chosen.capabilities is not None:
-                takes = ", ".join(f"{k} {v}" for k, v in self.chosen.capabilities.describe().items())
-                lines.append(f"     takes: {takes}")
+                lines.append(f"     takes: {self.chosen.capabilities.takes_text()}")
         for failure in self.failed_plugins:
             lines.append(f"  failed plugin: {failure}")
         return "\n".join(lines)

@@ -161,7 +161,7 @@ def test_fp4_keys_resolve_to_the_fp4_kernel_and_every_fp8_reader_refuses(arch):
     assert res.chosen.impl_id == want
     reasons = {c.impl.impl_id: c.reason for c in res.candidates}
     assert "keys=fp4: DeepGEMM paged logits takes fp8" in reasons["paged_mqa_logits.cuda.deepgemm"]
-    assert "keys=fp4: the Triton logits kernels takes fp8" in reasons["paged_mqa_logits.triton.logits"]
+    assert "keys=fp4: the Triton logits kernel takes fp8" in reasons["paged_mqa_logits.triton.logits"]
     assert _resolve("paged_mqa_logits", arch, "fp8", **env).chosen.impl_id == "paged_mqa_logits.cuda.deepgemm"
     res = _resolve("lightning_indexer", arch, "fp4", **env)
     assert res.chosen.impl_id == "lightning_indexer.generic.composed"  # FP4 logits, then the top-k

@@ -107,7 +107,7 @@ def test_explain_shows_the_npu_pipeline_and_ops_with_reasons(capsys):
     out = capsys.readouterr().out
     for impl in NPU_IMPLS.values():
         assert f"=> {impl}" in out
-    assert "problem Problem(cache=paged64_bf16" in out  # the layout allocate_cache picks on npu
+    assert "problem (cache=paged64_bf16" in out  # the layout allocate_cache picks on npu
     assert main(["explain", "lightning_indexer_ragged", "--target", "npu", "--problem", "heads=16",
                  "--assume", "torch_npu=yes"]) in (0, None)
     assert "heads=16: torch_npu's indexers take 64 query heads" in capsys.readouterr().out

@@ -26,12 +26,13 @@ def _json_run(capsys, *args) -> tuple[int, dict, str]:
 
 
 def test_decode_suite_json_to_stdout_has_the_pipeline_variants(capsys):
-    """The command as the issue writes it (CPU defaults: B 1, 4 x ctx 1024, 4096): valid JSON only on stdout, with
-    the whole-step rows of every accepted pipeline strategy, without and with q_lora reuse."""
-    code, data, err = _json_run(capsys, "--suite", "decode", *CPU)
+    """The command as the issue writes it (CPU defaults: B 1, 4 x ctx 1024, 4096; one sample per median, which is
+    all this test reads of the timing): valid JSON only on stdout, with the whole-step rows of every accepted
+    pipeline strategy, without and with q_lora reuse."""
+    code, data, err = _json_run(capsys, "--suite", "decode", *CPU, "--repeats", "1")
     assert code == 0, data["errors"]
     assert data["errors"] == [] and data["note"] == bench.CPU_NOTE and data["ceilings"]["copy_GBps"] > 0
-    assert data["command"] == "dsa-indexer bench --suite decode --device cpu --json -"
+    assert data["command"] == "dsa-indexer bench --suite decode --device cpu --repeats 1 --json -"
     steps = [r for r in data["rows"] if r["op"] == "indexer_pipeline"]
     shapes = {(b, c) for b in bench.CPU_BATCHES for c in bench.CPU_CONTEXTS}
     for variant in ("single_stream", "single_stream+q_lora_reuse"):

@@ -194,6 +194,15 @@ def test_bench_runs_on_a_cpu_and_writes_json(tmp_path, capsys):
     assert data["command"].startswith("dsa-indexer") and data["ceilings"]["copy_GBps"] > 0
     suites = {r["suite"] for r in data["rows"]}
     assert suites == {"decode", "topk", "prefill"}
+    # --suite's help says what `ops` runs: these three ops, one size each, labelled by their suites
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    said = help_text.split("ops (those suites' three ops at one size each: ", 1)[1].split(";", 1)[0]
+    assert said == "lightning_indexer, topk_indices, ragged_mqa_logits, in rows labelled decode, topk, prefill"
+    assert {(r["suite"], r["op"]) for r in data["rows"]} == {
+        ("decode", "lightning_indexer"), ("topk", "topk_indices"), ("prefill", "ragged_mqa_logits")}
+    assert len({(r["suite"], tuple(r["shape"].items())) for r in data["rows"]}) == 3  # one size per suite
     impls = {r["implementation"] for r in data["rows"]}
     assert {"lightning_indexer.reference.torch", "lightning_indexer.generic.composed",
             "ragged_mqa_logits.reference.torch", "torch.topk (baseline)"} <= impls

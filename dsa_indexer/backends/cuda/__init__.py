@@ -76,8 +76,8 @@ PAGED_CAPS = Capabilities("DeepGEMM paged logits", fp8=("fn",), dim=(HEAD_DIM,),
 GEMM_SCALE_FMTS = {"sm90": None, "sm100": ("ue8m0",)}
 GEMM_CAPS = Capabilities("the DeepGEMM GEMM adapter", fp8=("fn",), scale_fmt=GEMM_SCALE_FMTS,
                          out=Rule(lambda out: out == str(torch.bfloat16), "bf16 output (what the adapter writes)"),
-                         k=Rule(lambda k: k % 128 == 0, "K a multiple of 128 (the (1, 128, 128) recipe)"),
-                         n=Rule(lambda n: n % 64 == 0, "N a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
+                         k=Rule(lambda k: k % 128 == 0, "a multiple of 128 (the (1, 128, 128) recipe)"),
+                         n=Rule(lambda n: n % 64 == 0, "a multiple of 64 (DeepGEMM's TMA store alignment for bf16)"))
 # V4's FP4 keys (the paged64_fp4_e2m1 pages, or their bytes gathered for the ragged op) through
 # fp8_fp4_paged_mqa_logits / fp8_fp4_mqa_logits with q's scales: DeepGEMM asserts sm100 for FP4 (arch_major == 10;
 # sm90 takes fp8 only) and heads 8/16/32/64, head dim 64 or 128 (the library's is 128).

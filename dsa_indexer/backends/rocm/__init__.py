@@ -120,7 +120,7 @@ _FP8_KEYS = Rule(lambda keys: keys == "fp8", f"fp8 ({FLYDSL_FP4})")
 RAGGED_CAPS = Capabilities("aiter's fp8_mqa_logits", dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
                            keys=_FP8_KEYS)  # fp8 key rows, not V4's FP4 ones as the 68-byte pages store them
 PAGED_CAPS = Capabilities("aiter's paged kernel",
-                          next_n=Rule(lambda n: n == 1, "next_n 1 (it derives the rows' lengths from one length per "
+                          next_n=Rule(lambda n: n == 1, "1 (it derives the rows' lengths from one length per "
                                                         "request, not the per-row lengths of this op)"),
                           dim=(HEAD_DIM,), heads=_TL_DOT_HEADS,
                           keys=_FP8_KEYS,  # it reads the 132-byte pages, not V4's FP4 ones (68 bytes)

@@ -101,20 +101,20 @@ def _factory(module: str, name: str):
 # What the Triton kernels take, declared (dispatch/capabilities.py): head dim 128, quant groups of 32-128, a row
 # within one program, and for the logits kernels 32, 64 or 128 heads.
 _KERNEL_FACTS = dict(dim=(128,), group_size=(32, 64, 128),
-                     width=Rule(lambda width: width <= 16384, "width <= 16384 (one row per Triton program)"))
+                     width=Rule(lambda width: width <= 16384, "at most 16384 (one row per Triton program)"))
 LOGITS_OPS = ("ragged_mqa_logits", "paged_mqa_logits", "ragged_mqa_topk")
 
 
 def _capabilities(op: str) -> Capabilities:
     if op in LOGITS_OPS:
         # keys: the fp8 kernels read the 132-byte pages; V4's FP4 pages (68 bytes) have their own kernel.
-        return Capabilities("the Triton logits kernels", heads=(32, 64, 128), keys=("fp8",), **_KERNEL_FACTS)
-    return Capabilities("the Triton kernels", **_KERNEL_FACTS)
+        return Capabilities("the Triton logits kernel", heads=(32, 64, 128), keys=("fp8",), **_KERNEL_FACTS)
+    return Capabilities("the Triton kernel", **_KERNEL_FACTS)
 
 
 # The logits over V4's FP4 keys as stored (the paged64_fp4_e2m1 pages, or rows gathered from them): nibbles and
 # block scales unpacked in the kernel.
-FP4_LOGITS_CAPS = Capabilities("the Triton FP4 logits kernels", heads=(32, 64, 128), dim=(128,), keys=("fp4",))
+FP4_LOGITS_CAPS = Capabilities("the Triton FP4 logits kernel", heads=(32, 64, 128), dim=(128,), keys=("fp4",))
 FP4_KERNELS = {
     "paged_mqa_logits": ("paged_mqa_logits_fp4", "FP4 pages (68 B/token)"),
     "ragged_mqa_logits": ("ragged_mqa_logits_fp4", "FP4 rows as stored (uint8 [N, 64] + ue8m0 [N, 4])"),
