@@ -128,7 +128,7 @@ def ours(cuda_topk, args, logits, ends, k, width, sms):
             cuda_topk.PACK_ROWS = saved
 
     impls["cuda.radix packed grid" if not cuda_topk.PACK_ROWS else "cuda.radix unpacked grid"] = packed
-    planned = cuda_topk.plan_for(logits.shape[0], width, sms, 4)
+    planned = cuda_topk.plan_for(logits.shape[0], width, sms, 4, k)
     reg = cuda_topk.register_plan(logits.shape[0], width, sms)
     if reg is not None and (planned is None or planned.kernel != "registers"):
         alt = cuda_topk.Plan("registers", *reg)
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         ends = lens.to(device)
         cell = {"cell": name, "family": family, "batch": batch, "width": width, "k": k,
                 "lengths": lens.tolist() if family == "mixed" else int(lens[0]), "times_us": {}, "wrong_rows": {}}
-        planned = cuda_topk.plan_for(batch, width, sms, 4)
+        planned = cuda_topk.plan_for(batch, width, sms, 4, k)
         cell["plan"] = list(planned) if planned else None
         impls = {"torch.topk (valid prefix of the longest row)": lambda: torch.topk(logits[:, : int(lens.max())], k,
                                                                                    dim=1).indices}

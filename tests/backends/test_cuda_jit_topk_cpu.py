@@ -152,6 +152,16 @@ def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(rows, col
     assert cuda_topk.plan_for(rows, cols, 132, 4).kernel != "stream"
 
 
+@pytest.mark.parametrize("rows,cols", [(64, 32768), (128, 32768), (64, 65536)])
+def test_many_rows_at_v4_k_512_stream_from_32k_columns(rows, cols):
+    """V4's k = 512: 64+ rows of >= 32K columns stream; the same rows at k = 2048, fewer rows, or shorter ones keep
+    the register clusters."""
+    assert cuda_topk.plan_for(rows, cols, 132, 4, 512) == cuda_topk.Plan("stream", 1, 0)
+    assert cuda_topk.plan_for(rows, cols, 132, 4, 2048).kernel == "registers"
+    assert cuda_topk.plan_for(63, cols, 132, 4, 512).kernel == "registers"
+    assert cuda_topk.plan_for(rows, 32767, 132, 4, 512).kernel == "registers"
+
+
 def test_rows_past_sixteen_register_chunks_take_the_shared_memory_kernel():
     wide = cuda_topk.plan_for(1, 16 * 16384 + 1, 132, 4)
     assert wide.kernel == "shared" and wide.cluster == 8 and wide.per_cta * 8 >= 16 * 16384 + 1

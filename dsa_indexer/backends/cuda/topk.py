@@ -62,6 +62,11 @@ SHORT_ROWS_MAX_COLS = 16384
 # ~40 GB/s), at 32 x 32K 4-CTA clusters (17.9 vs 22.1).
 LONG_ROWS_STREAM_MIN_COLS = 65536
 LONG_ROWS_STREAM_MIN_ROWS = 32
+# V4's k = 512 on compressed-key rows: from 64 rows of more than 32K columns the streaming kernel beats the 2-CTA
+# register clusters (its candidates are fewer at k = 512; topk_engines_s10_h200.json, us: 64 / 128 x 32K 19.1 / 21.6
+# vs 20.4 / 24.6; at k = 2048 the clusters stay ahead or even: 20.4 / 25.2 vs 22.9 / 25.3).
+SMALL_K_STREAM_MAX_K = 512
+SMALL_K_STREAM_MIN_ROWS = 64
 # The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
 # at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
 PREFILL_MIN_ROWS = 1024
@@ -164,9 +169,10 @@ PACK_ROWS = False  # see registers_grid_rows; benchmarks and tests flip it to co
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
+def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | None:
     """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
-    of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them). Rows longer than 32K whose
+    of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them). ``k``: at V4's k = 512, 64+
+    rows of 32K-256K columns stream (SMALL_K_STREAM_*). Rows longer than 32K whose
     register launch needs more than two waves (two CTAs per SM each) take the streaming kernel: each wave pays
     the register kernel's barrier chain again, while the streaming kernel reads each row once in one wave
     (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two
@@ -180,6 +186,8 @@ def plan_for(rows: int, cols: int, sms: int, vec: int) -> Plan | None:
     if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
         return Plan("stream", 1, 0)
     if LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS:
+        return Plan("stream", 1, 0)
+    if k <= SMALL_K_STREAM_MAX_K and STREAM_MIN_COLS <= cols <= STREAM_MAX_COLS and rows >= SMALL_K_STREAM_MIN_ROWS:
         return Plan("stream", 1, 0)
     reg = register_plan(rows, cols, sms)
     if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS
@@ -240,7 +248,7 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, optin, capability = _device_facts(index)
     vec = 4 if x.data_ptr() % 16 == 0 and x.stride(0) % 4 == 0 else 1
-    launch = forced if forced is not None else plan_for(rows, max(cols, 1), sms, vec)
+    launch = forced if forced is not None else plan_for(rows, max(cols, 1), sms, vec, k)
     if launch is not None and launch.kernel == "shared" and not _fits(_library(capability), launch.per_cta, optin):
         launch = None
     if launch is not None and launch.kernel == "stream":
