@@ -116,8 +116,7 @@ def _rows_batch(batch: PrefillBatch, rows: torch.Tensor) -> PrefillBatch:
     host = (batch.host_bounds[0][rows_host], batch.host_bounds[1][rows_host]) if batch.host_bounds else None
     return dataclasses.replace(batch, ks=ks, ke=ke, positions=batch.positions[rows],
                                slot_mapping=batch.slot_mapping[rows], row_request=batch.row_request[rows],
-                               max_keys_per_row=int((ke - ks).max()) if rows.numel() else 0, host_bounds=host,
-                               _plans=None)
+                               max_keys_per_row=int((ke - ks).max()) if rows.numel() else 0, host_bounds=host)
 
 
 # --- Decode context parallelism: the k cache sharded over the ranks, an exact merge of the shards' top-k ---------
