@@ -31,6 +31,7 @@ from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivatio
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
 from .contract.specs import declare as _record
 from .config import SCALE_FMTS
+from .dispatch.bind import bind
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.target import Target, parse_target, target_of_tensor
@@ -92,11 +93,9 @@ class DeclaredOp:
             return found if found is not None else problems.setdefault(values, Problem(**dict(zip(keys, values))))
 
         def run(*args: Any, target: Target | str | None = None) -> Any:
-            """The op body: the call's problem and target, then the registry's implementation for them."""
-            values = facts(*args)
-            found = problems.get(values)
-            return default_registry().call(name, _target_for(args[0], target),
-                                           found if found is not None else problem_of(*args), *args)
+            """The op body: the call's interned problem and its target, then the op bound for them (`bind`)."""
+            found = problems.get(facts(*args))
+            return bind(name, _target_for(args[0], target), found if found is not None else problem_of(*args))(*args)
 
         fake = decl.fake
         self.custom_op = torch.library.custom_op(f"dsa_indexer::{name}", run, mutates_args=decl.mutates,
@@ -301,9 +300,8 @@ def _producer_tagged(out: tuple, arguments: tuple, target) -> tuple[torch.Tensor
     """Which implementation made the quant decides its producer tag: the resolution the call just used."""
     normed, x_fp8, scales = out
     x, _, _, group_size, ue8m0, fp8 = arguments
-    key = ("rmsnorm_quant_fp8", _target_for(x, target), rmsnorm_quant_fp8.problem(*arguments))
-    res = default_registry().used.get(key) or default_registry().resolve(*key)
-    producer = res.chosen.info.get("producer", PRODUCER_ROUNDED) if res.chosen is not None else PRODUCER_ROUNDED
+    bound = bind("rmsnorm_quant_fp8", _target_for(x, target), rmsnorm_quant_fp8.problem(*arguments))
+    producer = bound.info.get("producer", PRODUCER_ROUNDED)
     layout = Fp8GroupLayout(group_size=group_size, ue8m0=ue8m0, rows=x.shape[0], fp8_dtype=fp8, producer=producer)
     return normed, QuantizedActivation(x_fp8, scales, layout)
 

@@ -189,7 +189,9 @@ class Registry:
     def __init__(self, environment: Environment | None = None) -> None:
         self._impls: dict[str, dict[str, Implementation]] = {}
         self._lock = threading.RLock()
-        self._fn_cache: dict[tuple, Callable[..., Any]] = {}
+        self._fn_cache: dict[tuple, tuple[Callable[..., Any], Resolution]] = {}
+        # (op, target, problem) -> its `dispatch.bind.Bound`: derived from the state above, so emptied with it.
+        self.bindings: dict[tuple, Any] = {}
         self._resolution_cache: dict[tuple, Resolution] = {}
         self._factories: dict[str, Callable[..., Any]] = {}
         self._broken: dict[str, str] = {}  # impl_id -> why its factory failed (it is then rejected)
@@ -336,6 +338,7 @@ class Registry:
     def _invalidate(self) -> None:
         self._fn_cache = {}
         self._resolution_cache = {}
+        self.bindings = {}
         self.generation += 1
 
     def start_recording_usage(self) -> None:
@@ -344,6 +347,7 @@ class Registry:
         with self._lock:
             self.used = {}
             self._fn_cache = {}
+            self.bindings = {}
             self.generation += 1
 
     def clear_cache(self) -> None:
@@ -481,14 +485,21 @@ class Registry:
         return res
 
     def function(self, op: str, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
-        """The callable that runs ``op`` for (target, problem); cached. A factory that fails (its vendor import is
-        missing, say) or returns no callable marks that implementation rejected with the reason, warns once, and
-        resolution moves on. An implementation that is not built in has its results' metadata checked
-        (`dispatch.results`)."""
+        """The callable that runs ``op`` for (target, problem); cached (`chosen` says how it is found)."""
+        entry = self._fn_cache.get((op, target, problem))
+        return entry[0] if entry is not None else self.chosen(op, target, problem)[0]
+
+    def chosen(self, op: str, target: Target, problem: Problem | None = None
+               ) -> tuple[Callable[..., Any], Resolution]:
+        """The callable that runs ``op`` for (target, problem) and the resolution that chose it; cached until the
+        registry changes (`generation`). A factory that fails (its vendor import is missing, say) or returns no
+        callable marks that implementation rejected with the reason, warns once, and resolution moves on. An
+        implementation that is not built in has its results' metadata checked (`dispatch.results`); a
+        composition (``takes_target``) receives the target."""
         key = (op, target, problem)
-        fn = self._fn_cache.get(key)
-        if fn is not None:
-            return fn
+        entry = self._fn_cache.get(key)
+        if entry is not None:
+            return entry
         while True:  # every pass returns or marks one more implementation broken, so it ends
             res = self.choose(op, target, problem)
             try:
@@ -505,8 +516,8 @@ class Registry:
             if res.chosen.takes_target:
                 fn = functools.partial(fn, target=target)
             self.used[key] = res
-            self._fn_cache[key] = fn
-            return fn
+            entry = self._fn_cache[key] = (fn, res)
+            return entry
 
     def _mark_broken(self, impl: Implementation, exc: BaseException) -> str:
         """Reject ``impl`` from now on (until `clear_cache`) with why building it failed; -> that reason."""
@@ -531,10 +542,8 @@ class Registry:
         return fn
 
     def call(self, op: str, target: Target, problem: Problem | None, *args: Any, **kwargs: Any) -> Any:
-        fn = self._fn_cache.get((op, target, problem))
-        if fn is None:
-            fn = self.function(op, target, problem)
-        return fn(*args, **kwargs)
+        entry = self._fn_cache.get((op, target, problem))
+        return (entry[0] if entry is not None else self.chosen(op, target, problem)[0])(*args, **kwargs)
 
     # --- plugin transactions ------------------------------------------------------------------
     def adopt(self, impl_ids: Iterable[str], origin: str) -> None:
