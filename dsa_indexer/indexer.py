@@ -966,7 +966,7 @@ class Indexer(nn.Module):
         context = batch.context
         q_fp8, weights = plan.schedule(context, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
-        return plan.run("logits", q, cache.data, weights, batch.context_lens, batch.block_table,
+        return plan.run("logits", "paged_mqa_logits", q, cache.data, weights, batch.context_lens, batch.block_table,
                         batch.max_context_len, context=context)
 
     def _score_rows(self, plan: StepPlan, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache,
@@ -995,7 +995,7 @@ class Indexer(nn.Module):
     def _score_plain(self, plan: StepPlan, q, q_scales, weights, request_rows, cache: IndexKCache,
                      context: StepContext) -> torch.Tensor:
         cu, seq_lens, block_table = request_rows
-        return plan.run("score", q.contiguous(), q_scales, cache.data, cache.scales_or_empty(), weights.contiguous(),
+        return plan.run("score", "lightning_indexer_ragged", q.contiguous(), q_scales, cache.data, cache.scales_or_empty(), weights.contiguous(),
                         cu, seq_lens, block_table, self.config.topk, self.config.compress_ratio, context=context)
 
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
@@ -1027,7 +1027,7 @@ class Indexer(nn.Module):
         if batch.max_context_len <= k:
             return self._all_visible(batch.context_lens.reshape(-1))
         q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
-        return plan.run("score", q, cache.data, weights, batch.context_lens, batch.block_table, batch.max_context_len,
+        return plan.run("score", "lightning_indexer", q, cache.data, weights, batch.context_lens, batch.block_table, batch.max_context_len,
                         k, False, context=context)
 
     def _score_planned(self, plan: StepPlan, batch: PrefillBatch, cache: IndexKCache, q_of, chunks=None,
@@ -1047,7 +1047,7 @@ class Indexer(nn.Module):
         for start, stop, lo, hi in chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes):
             q_fp8, weights = q_of(start, stop)
             ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
-            out[start:stop] = plan.run("score", q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, k,
+            out[start:stop] = plan.run("score", "ragged_mqa_topk", q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, k,
                                        context=context)
         return out
 

@@ -41,9 +41,9 @@ def project_q(plan: StepPlan, q_lora: torch.Tensor, q_lora_quant: QuantizedActiv
         if reason is None:
             quant = (q_lora_quant.data, q_lora_quant.scales)
     if quant is None:
-        quant = plan.run("q_lora_quant", q_lora, wanted.group_size, wanted.ue8m0,
+        quant = plan.run("q_lora_quant", "quant_fp8_groups", q_lora, wanted.group_size, wanted.ue8m0,
                          wanted.fp8_dtype)
-    return plan.run("wq_b_gemm", quant[0], quant[1], w.wq_b, w.wq_b_scale, q_lora.dtype,
+    return plan.run("wq_b_gemm", "gemm_fp8_blockscale", quant[0], quant[1], w.wq_b, w.wq_b_scale, q_lora.dtype,
                     plan.wq_b_scale_fmt)
 
 
@@ -60,7 +60,7 @@ def project_x(plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         heads = plan.config.n_heads
         return out[:, :heads], out[:, heads:]
     if w.wk is not None and plan.wk_layout is None and w.weights_proj.dtype == torch.float32:
-        return plan.run("x_projections", x, w.weights_proj, w.wk)
+        return plan.run("x_projections", "x_projections", x, w.weights_proj, w.wk)
     return project_head_weights(plan, x), project_k(plan, x) if w.wk is not None else None
 
 
@@ -78,8 +78,8 @@ def project_k(plan: StepPlan, x: torch.Tensor) -> torch.Tensor:
     wanted = plan.wk_layout
     if wanted is None:
         return F.linear(x, w.wk)
-    x_fp8, x_scales = plan.run("x_quant", x, wanted.group_size, wanted.ue8m0, wanted.fp8_dtype)
-    return plan.run("wk_gemm", x_fp8, x_scales, w.wk, w.wk_scale, x.dtype, plan.wk_scale_fmt)
+    x_fp8, x_scales = plan.run("x_quant", "quant_fp8_groups", x, wanted.group_size, wanted.ue8m0, wanted.fp8_dtype)
+    return plan.run("wk_gemm", "gemm_fp8_blockscale", x_fp8, x_scales, w.wk, w.wk_scale, x.dtype, plan.wk_scale_fmt)
 
 
 def q_path(plan: StepPlan, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
@@ -99,9 +99,9 @@ def quantize_q(plan: StepPlan, q: torch.Tensor, positions: torch.Tensor, head_we
     cfg = plan.config
     q = q.view(-1, cfg.n_heads, cfg.head_dim)
     if cfg.key_quant == "fp4_e2m1":  # V4's FP4 recipe (dsa_indexer.fp4)
-        return plan.run("q_prologue", q, positions, plan.weights.cos_sin, head_weights,
+        return plan.run("q_prologue", "q_prologue_fp4", q, positions, plan.weights.cos_sin, head_weights,
                         plan.weight_scale, plan.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
-    return plan.run("q_prologue", q, positions, plan.weights.cos_sin, head_weights, plan.weight_scale,
+    return plan.run("q_prologue", "q_prologue", q, positions, plan.weights.cos_sin, head_weights, plan.weight_scale,
                     plan.rope_offset, cfg.rope_interleaved, cfg.ue8m0, plan.fp8_dtype)
 
 
@@ -119,7 +119,7 @@ def k_path(plan: StepPlan, x: torch.Tensor, positions: torch.Tensor,
         return
     if k is None:
         k = project_k(plan, x)
-    plan.run("k_store", k, w.k_norm_weight, w.k_norm_bias, cfg.norm_eps, positions, w.cos_sin,
+    plan.run("k_store", "k_prologue_store", k, w.k_norm_weight, w.k_norm_bias, cfg.norm_eps, positions, w.cos_sin,
              kv_cache, key_store, plan.rope_offset, cfg.rope_interleaved, cfg.ue8m0, plan.fp8_dtype, cfg.k_norm)
 
 
@@ -149,7 +149,7 @@ def q_path_plain(plan: StepPlan, x: torch.Tensor, q_lora: torch.Tensor, position
     if head_weights is None:
         head_weights = project_head_weights(plan, x)
     q = F.linear(q_lora, plan.weights.wq_b_activation).view(-1, cfg.n_heads, cfg.head_dim)
-    return plan.run("q_prologue", q, positions, plan.weights.cos_sin, head_weights,
+    return plan.run("q_prologue", "q_prologue_plain", q, positions, plan.weights.cos_sin, head_weights,
                     plan.weight_scale, plan.rope_offset, cfg.rope_interleaved, key_format)
 
 
@@ -166,7 +166,7 @@ def k_path_plain(plan: StepPlan, x: torch.Tensor, positions: torch.Tensor,
         return
     if k is None:
         k = project_k(plan, x)
-    plan.run("k_store", k, w.k_norm_weight, w.k_norm_bias, cfg.norm_eps, positions,
+    plan.run("k_store", "k_prologue_store_plain", k, w.k_norm_weight, w.k_norm_bias, cfg.norm_eps, positions,
              w.cos_sin, cache.data, cache.scales_or_empty(), key_store, plan.rope_offset, cfg.rope_interleaved,
              cfg.k_norm, cache.key_format)
 

@@ -107,17 +107,17 @@ class StepPlan:
     def __post_init__(self) -> None:
         self._with_context = frozenset(role for role, bound in self.kernels.items() if takes_step_context(bound.info))
 
-    def run(self, role: str, *args: Any, context: StepContext | None = None) -> Any:
-        """Run ``role``'s bound kernel on ``args`` (its op's schema order); ``context``: the step's, for a kernel
-        that takes it."""
+    def run(self, role: str, op: str, *args: Any, context: StepContext | None = None) -> Any:
+        """Run ``role``'s bound kernel, an ``op`` (named at the call site, checked at the first call), on ``args``
+        (the op's schema order); ``context``: the step's, for a kernel that takes it."""
         bound = self.kernels.get(role)
         if bound is None:
             raise KeyError(f"this step plan binds no kernel for role {role!r} (it binds {sorted(self.kernels)}): "
                            "the plan and the step disagree on what runs")
         if torch.compiler.is_compiling():  # traced: the op's custom op holds the call (resolved at run time)
-            return getattr(torch.ops.dsa_indexer, bound.op)(*args, target=str(self.target))
+            return getattr(torch.ops.dsa_indexer, op)(*args, target=str(self.target))
         if role not in self._checked:
-            self._check_first_call(role, bound, args)
+            self._check_first_call(role, op, bound, args)
         if context is not None and role in self._with_context:
             return bound.fn(*args, context=context)
         return bound.fn(*args)
@@ -129,7 +129,9 @@ class StepPlan:
             return self.strategy(self, *args, context=context)
         return self.strategy(self, *args)
 
-    def _check_first_call(self, role: str, bound: Bound, args: tuple) -> None:
+    def _check_first_call(self, role: str, op: str, bound: Bound, args: tuple) -> None:
+        if op != bound.op:
+            raise RuntimeError(f"step plan role {role!r} is bound to {bound.op}, but the step calls it as {op}")
         anchor = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if anchor is not None and ranges_checked(anchor):
             actual = ops.OPERATORS[bound.op].problem(*args)
