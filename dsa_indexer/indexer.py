@@ -25,7 +25,7 @@ from .config import IndexerConfig, read_json_object
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.bind import Bound, bind
-from .dispatch.registry import NoImplementationError, Registry, Resolution
+from .dispatch.registry import Registry, Resolution
 from .dispatch.target import Target, detect_target
 from .contract.specs import PIPELINE_OP
 from .pipeline import STEPS, k_path, k_path_plain
@@ -691,9 +691,7 @@ class Indexer(nn.Module):
         for name, role in roles.items():
             kernels[name] = bind(role.op, target, role.problem, registry)
             reasons[name] = role.why
-        scoring_bytes = None
-        if not decode and plain_format is None and logits_pages is None:
-            scoring_bytes = self._scoring_bytes(kernels["score"].info)
+        scoring_bytes = self._scoring_bytes(kernels["score"].info) if not decode and logits_pages is None else None
         return StepPlan(
             config=cfg, target=target, fp8_dtype=self.fp8_dtype, weights=weights, problem=problem,
             pipeline=strategy.resolution, strategy=strategy.fn, steps=STEPS, registry=registry,
@@ -707,7 +705,7 @@ class Indexer(nn.Module):
     def _prefill_keys(self, cache_layout: str, registry: Registry) -> str:
         """The ``keys`` fact of prefill's ragged scoring over a ``cache_layout`` cache: "fp4" (the FP4 pages' keys
         as stored) or "fp8" (gathered fp8 rows: the fp8 pages, or the FP4 ones folded), per ``fp4_prefill_keys``;
-        "auto" reads ``native_fp4`` from the info of the FP4 ragged logits bound for the target."""
+        "auto" reads ``native_fp4`` from the info of the FP4 ragged logits resolved for the target."""
         knob = self.fp4_prefill_keys
         if knob not in FP4_PREFILL_KEYS:
             raise IndexerInputError(f"fp4_prefill_keys must be one of {', '.join(map(repr, FP4_PREFILL_KEYS))}, got "
@@ -719,11 +717,10 @@ class Indexer(nn.Module):
         cfg = self.config
         problem = role_problem("ragged_mqa_logits", heads=cfg.n_heads, dim=cfg.head_dim,
                                fp8=ops.fp8_name(self.fp8_dtype), keys="fp4")
-        try:
-            logits = bind("ragged_mqa_logits", self.target, problem, registry)
-        except NoImplementationError:  # nothing may serve FP4 keys here (strict mode, say): the fold always runs
-            return "fp8"
-        return "fp4" if logits.info.get("native_fp4") else "fp8"
+        # A fact read, not a call: the pure resolution (no factory is built for it; a strict target refusing the
+        # reference still gets its answer: the fold).
+        chosen = registry.resolve("ragged_mqa_logits", self.target, problem).chosen
+        return "fp4" if chosen is not None and chosen.info.get("native_fp4") else "fp8"
 
     def prefill_key_format(self, cache_layout: str, registry: Registry | None = None) -> str:
         """The ``keys`` fact the prefill plan of a ``cache_layout`` cache scores with (`_prefill_keys`)."""
