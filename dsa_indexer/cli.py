@@ -16,29 +16,17 @@ import torch
 
 from . import __version__
 from .versions import package_versions
+from .contract.declarations import DECLARED
 from .contract.specs import PIPELINE_OP
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
 from .dispatch.environment import default_probes
 from .dispatch.target import detect_target, known_targets, parse_target
 
-DEFAULT_PROBLEMS = {
-    "q_prologue": dict(heads=64, dim=128, rope_dim=64, interleaved=False, ue8m0=True, fp8="fn"),
-    "k_prologue_store": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", ue8m0=True, fp8="fn"),
-    "paged_mqa_logits": dict(heads=64, dim=128, next_n=1, fp8="fn"),
-    "ragged_mqa_logits": dict(heads=64, dim=128, fp8="fn"),
-    "ragged_mqa_topk": dict(heads=64, dim=128, fp8="fn", k=2048),
-    "lightning_indexer": dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"),
-    "topk_indices": dict(k=2048, slots=False, starts=False),
-    "gemm_fp8_blockscale": dict(n=8192, k=1536, out="torch.bfloat16", fp8="fn"),
-    "quant_fp8_groups": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
-    "rmsnorm_quant_fp8": dict(group_size=128, ue8m0=False, fp8="fn", width=1536),
-    PIPELINE_OP: dict(tokens=32, decode=True, q_lora_quant=False),
-    "c4_compress_pool": dict(dim=128, window=8),
-    "q_prologue_plain": dict(heads=64, dim=128, rope_dim=64, interleaved=False, format="bf16"),
-    "k_prologue_store_plain": dict(dim=128, rope_dim=64, interleaved=False, norm="layernorm", format="bf16"),
-    "lightning_indexer_ragged": dict(heads=64, dim=128, k=2048, format="bf16", ratio=1),
-}
+# The problem each op is explained and put in the matrix with: every declaration's typical one
+# (`contract.specs.OpDecl.example`), and the pipeline strategy's (it is resolved like an op but not declared as one).
+PIPELINE_PROBLEM = dict(tokens=32, decode=True, q_lora_quant=False)
+DEFAULT_PROBLEMS = {**{name: dict(decl.example) for name, decl in DECLARED.items()}, PIPELINE_OP: PIPELINE_PROBLEM}
 # Facts that follow the target's platform unless given: the cache layout it allocates (V3.2), and its key format.
 PLAIN_FORMATS = {"paged64_bf16": "bf16", "paged64_int8": "int8"}
 
@@ -295,19 +283,18 @@ def cmd_run(args) -> int:
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR, EXIT_USAGE = 0, 1, 2, 2  # argparse's usage errors exit 2 too
 SUITE_CHOICES = ("decode", "topk", "prefill", "ops")  # dsa_indexer.bench.SUITES
-# Problem facts by kind (contract.specs.DECLARED's facts, and the pipeline's): sizes are positive integers.
-INT_FACTS = {"heads", "dim", "next_n", "k", "group_size", "width", "rope_dim", "n", "window", "tokens", "block",
-             "ratio", "hidden", "compress_ratio"}
-BOOL_FACTS = {"interleaved", "ue8m0", "slots", "starts", "decode", "q_lora_quant"}
+# Problem facts by kind, as the typical problems give them: sizes are positive integers, flags true or false.
+INT_FACTS = {key for facts in DEFAULT_PROBLEMS.values() for key, value in facts.items() if type(value) is int}
+BOOL_FACTS = {key for facts in DEFAULT_PROBLEMS.values() for key, value in facts.items() if type(value) is bool}
 ASSUME_WORDS = {"yes": True, "1": True, "true": True, "on": True, "no": False, "0": False, "false": False,
                 "off": False}
 
 
 def _fact_words() -> dict[str, tuple[str, ...]]:
     """The facts that take one of a few words, with those words (the library's own tables)."""
-    from .config import SCALE_FMTS
+    from .contract.declarations import KEY_FORMATS, NORMS
+    from .contract.quant import SCALE_FMTS
     from .contract.specs import FP8_NAMES
-    from .ops import KEY_FORMATS, NORMS
 
     return {"fp8": tuple(sorted(set(FP8_NAMES.values()))), "norm": NORMS, "format": KEY_FORMATS,
             "scale_fmt": SCALE_FMTS, "keys": ("fp8", "fp4")}

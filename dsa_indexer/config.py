@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from .contract.quant import SCALE_FMTS
 from .rope import YarnScaling
 
-SCALE_FMTS = ("fp32", "ue8m0")
 WK_GEMMS = ("bf16", "fp8")
 WEIGHTS_PROJ_DTYPES = ("bf16", "fp32")
 KEY_QUANTS = ("fp8", "fp4_e2m1")

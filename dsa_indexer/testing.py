@@ -410,7 +410,7 @@ def sample_arguments(op: str, device="cpu", seed: int = 0, fp8_dtype: torch.dtyp
                      ) -> dict[str, tuple]:
     """Random arguments of ``op``, in its schema's order, DeepSeek's sizes (64 index heads, head dim 128) on a few
     tokens: label -> arguments. Never zeros; top-k rows both shorter and longer than k."""
-    from .contract.specs import DECLARED
+    from .contract.declarations import DECLARED
     from .rope import cos_sin_table
 
     if op not in _COMPARE:
@@ -580,7 +580,7 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
     `ConformanceError` listing every failure, ValueError when no case could run; returns one line per case.
     A plugin's test: ``assert check_implementation("topk_indices.myvendor.radix")``."""
     from . import ops as ops_module
-    from .contract.specs import DECLARED
+    from .contract.declarations import DECLARED
     from .dispatch import results
     from .dispatch.plugins import default_registry
     from .dispatch.platform import vendors
@@ -615,10 +615,10 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
         raise ConformanceError(f"{impl_id}: factory returned {fn!r}, not a callable")
     extra = {"target": target} if impl.takes_target else {}
     lines, failures, skipped = [], [], []
-    front = ops_module.OPERATORS[op].public.__wrapped__  # the public op's checks, which name the bad argument
+    checked = ops_module.OPERATORS[op].arguments  # the public op's checks, which name the bad argument
     for label, args in cases.items():
         try:
-            args = front(**dict(zip(decl.arguments, args)), target=target)
+            args = checked(**dict(zip(decl.arguments, args)), target=target)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"check_implementation: case {label!r} is not a valid call of {op}: {exc}") from None
         problem = ops_module.OPERATORS[op].problem(*args)

@@ -17,6 +17,19 @@ import torch
 
 PRODUCER_ROUNDED = "bf16_rounded"  # quantized the bf16 tensor that was returned (the library's producers)
 PRODUCER_UNROUNDED = "fp32_unrounded"  # quantized before rounding to bf16 (aiter's fused kernel); may differ by 1 ulp
+SCALE_FMTS = ("fp32", "ue8m0")  # block scales as plain fp32, or powers of two (what a ue8m0 byte holds exactly)
+
+
+def scale_format(scales: torch.Tensor) -> str:
+    """The ``scale_fmt`` fact these fp32 scales satisfy: "ue8m0" when every one is a positive normal power of two
+    (what a ue8m0 byte holds exactly), else "fp32". It reads the values: a host sync on a GPU, so it runs once where
+    scales are loaded or made (`Indexer` at weight load), never inside a step, a plan build or a graph capture."""
+    if scales.numel() == 0:
+        return "ue8m0"
+    bits = scales.detach().float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    powers = ((bits & ~0x7F800000) == 0) & (exponent > 0) & (exponent < 255)
+    return "ue8m0" if bool(powers.all()) else "fp32"
 
 
 @dataclass(frozen=True)

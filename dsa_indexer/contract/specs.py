@@ -1,16 +1,17 @@
-"""What an op is, declared once: `OpDecl` (name, custom-op schema, the problem facts it derives, what it mutates,
-its fake result), and `DECLARED`, every op declared so far.
+"""What an op is, declared once: `OpDecl` (its public signature and checks, the custom-op schema inferred from that
+signature, the problem facts it derives, what it mutates, its fake result, a typical problem), and `DECLARED`,
+every op declared so far.
 
-`dsa_indexer.ops` declares each op with `dsa_indexer.ops.declare` on its public function; from that one declaration
-come the ``dsa_indexer::<op>`` custom op and its fake (for `torch.compile`), the op body that builds the interned
-`Problem` and calls the registry, and the facts table the CLI and the plugin loader read (`PROBLEM_KEYS`). An
-implementation takes the schema's arguments, positionally, in the schema's order (the reference functions in
-`backends/reference/kernels.py` show each).
+`contract/declarations.py` declares each op with `declare` on its annotated public signature; from that one
+declaration come the ``dsa_indexer::<op>`` custom op and its fake (for `torch.compile`) and the public function that
+checks, binds (`dispatch.bind`) and calls (`dsa_indexer.ops`), the facts table the CLI and the plugin loader read
+(`PROBLEM_KEYS`) and the CLI's typical problems (`OpDecl.example`). An implementation takes the schema's arguments,
+positionally, in the schema's order (the reference functions in `backends/reference/kernels.py` show each).
 """
 
 from __future__ import annotations
 
-import re
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -36,52 +37,60 @@ def fp8_name(dtype: torch.dtype) -> str:
 # (a C call: building a problem runs no Python function but the generated one).
 FACT_HELPERS: dict[str, Any] = {"fp8_name": FP8_NAMES.__getitem__, "torch": torch}
 
-_ARG = re.compile(r"^\s*(?P<type>[\w\[\]?]+)(?:\((?P<alias>[a-z!]+)\))?\s+(?P<name>\w+)\s*(?:=.*)?$")
-
-
-def schema_argument_names(schema: str) -> tuple[str, ...]:
-    """The argument names of a custom-op schema ``"(Tensor x, int n) -> Tensor"``, in order."""
-    inner = schema.strip()
-    if not inner.startswith("(") or ") ->" not in inner:
-        raise ValueError(f"schema {schema!r} must read '(<arguments>) -> <results>'")
-    arguments = inner[1:inner.index(") ->")]
-    names = []
-    for part in (p for p in arguments.split(",") if p.strip()):
-        match = _ARG.match(part)
-        if match is None:
-            raise ValueError(f"schema argument {part.strip()!r} of {schema!r} is not '<type> <name>'")
-        names.append(match.group("name"))
-    return tuple(names)
-
 
 @dataclass(frozen=True)
 class OpDecl:
-    """One op. ``schema``: the custom op's arguments and results without the target (every op takes a trailing
-    ``str? target=None``). ``facts``: each fact of its `Problem` (what may change which implementation serves a
-    call) as a Python expression over the arguments, e.g. ``{"width": "x.shape[-1]", "fp8": "fp8_name(x.dtype)"}``;
-    compiled once into one function (`facts_function`), so building a call's problem stays a tuple and a dict
-    lookup. ``mutates``: the arguments written in place. ``fake``: the meta result, same arguments as the schema."""
+    """One op, declared once by its public signature (`declare`). ``check``: the public function without the target,
+    annotated; it checks and normalizes the caller's arguments and returns them in its signature's order, less
+    ``public_only`` ones (what implementations take: `arguments`). The custom-op schema is inferred from those
+    annotations as `torch.library.custom_op` infers it (`schema`; every op also takes a trailing ``str? target``).
+    ``facts``: each fact of the op's `Problem` (what may change which implementation serves a call) as a Python
+    expression over the arguments, e.g. ``{"width": "x.shape[-1]", "fp8": "fp8_name(x.dtype)"}``, compiled once into
+    one function (`facts_function`), so building a call's problem stays a tuple and a dict lookup. ``fake``: the meta
+    result; given naming only the arguments it reads (``**_`` for the rest), held called positionally.
+    ``mutates``: the arguments written in place. ``example``: a typical problem (`dsa-indexer explain`'s and the
+    arch matrix's), a subset of the facts. ``target_fp8``: the argument that, left None, takes the target's fp8
+    flavour (the target is known above the contract: `dsa_indexer.ops` fills it). ``results``: what implementations
+    return where the public function returns something else (`rmsnorm_quant_fp8` wraps its quant)."""
 
     name: str
-    schema: str
+    check: Callable[..., tuple]
     facts: Mapping[str, str]
     fake: Callable[..., Any]
     mutates: tuple[str, ...] = ()
+    example: Mapping[str, Any] = field(default_factory=dict)
+    public_only: tuple[str, ...] = ()
+    target_fp8: str | None = None
+    results: Any = None
     doc: str = ""
     arguments: tuple[str, ...] = field(init=False)
+    schema: str = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "arguments", schema_argument_names(self.schema))
-        unknown = set(self.mutates) - set(self.arguments)
+        signature = inspect.signature(self.check, eval_str=True)
+        parameters = [p for p in signature.parameters.values() if p.name not in self.public_only]
+        object.__setattr__(self, "arguments", tuple(p.name for p in parameters))
+        for what, names in (("mutates", self.mutates), ("public_only", self.public_only),
+                            ("target_fp8", (self.target_fp8,) if self.target_fp8 else ()),):
+            unknown = set(names) - set(signature.parameters)
+            if unknown:
+                raise ValueError(f"op {self.name}: {what} names {sorted(unknown)}, which are not arguments")
+        unknown = set(self.example) - set(self.facts)
         if unknown:
-            raise ValueError(f"op {self.name}: mutates names {sorted(unknown)}, which are not arguments")
+            raise ValueError(f"op {self.name}: example names {sorted(unknown)}, which are not facts")
+        # Implementations take every argument positionally, in order: the prototype has no defaults, no keyword-only.
+        prototype = _prototype([inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  annotation=p.annotation) for p in parameters],
+                               signature.return_annotation if self.results is None else self.results)
+        object.__setattr__(self, "schema", torch.library.infer_schema(prototype, mutates_args=self.mutates))
+        object.__setattr__(self, "fake", _positional(self.fake, self.arguments))
 
     @property
     def problem_keys(self) -> tuple[str, ...]:
         return tuple(self.facts)
 
     def schema_with_target(self) -> str:
-        head, _, results = self.schema.partition(") ->")
+        head, _, results = self.schema.rpartition(") ->")
         return f"{head}{', ' if self.arguments else ''}str? target=None) ->{results}"
 
     def facts_function(self) -> Callable[..., tuple]:
@@ -93,14 +102,41 @@ class OpDecl:
         return namespace["facts"]
 
 
+def _prototype(parameters: list[inspect.Parameter], results: Any) -> Callable[..., Any]:
+    """A function with this signature and nothing else: what `torch.library.infer_schema` reads."""
+    def prototype(*args: Any) -> Any:
+        raise TypeError("a schema prototype is not called")
+
+    prototype.__signature__ = inspect.Signature(parameters, return_annotation=results)  # type: ignore[attr-defined]
+    return prototype
+
+
+def _positional(fake: Callable[..., Any], arguments: tuple[str, ...]) -> Callable[..., Any]:
+    """``fake`` (which names only the arguments it reads, ``**_`` for the rest) called with the arguments in order."""
+    def positional_fake(*args: Any) -> Any:
+        return fake(**dict(zip(arguments, args)))
+
+    return positional_fake
+
+
 DECLARED: dict[str, OpDecl] = {}
 
 
-def declare(decl: OpDecl) -> OpDecl:
-    if decl.name in DECLARED:
-        raise ValueError(f"op {decl.name!r} is declared twice")
-    DECLARED[decl.name] = decl
-    return decl
+def declare(*, facts: Mapping[str, str], fake: Callable[..., Any], mutates: tuple[str, ...] = (),
+            example: Mapping[str, Any] | None = None, public_only: tuple[str, ...] = (), target_fp8: str | None = None,
+            results: Any = None) -> Callable[[Callable[..., tuple]], OpDecl]:
+    """Declare the op named like the decorated function, its public signature and checks (see `OpDecl`); the
+    decorated name becomes its `OpDecl`, entered in `DECLARED`."""
+    def wrap(check: Callable[..., tuple]) -> OpDecl:
+        name = check.__name__
+        if name in DECLARED:
+            raise ValueError(f"op {name!r} is declared twice")
+        decl = OpDecl(name, check, dict(facts), fake, tuple(mutates), dict(example or {}), tuple(public_only),
+                      target_fp8, results, (check.__doc__ or "").strip())
+        DECLARED[name] = decl
+        return decl
+
+    return wrap
 
 
 class _ProblemKeys(Mapping[str, tuple[str, ...]]):

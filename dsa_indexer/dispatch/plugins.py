@@ -37,9 +37,10 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 def known_ops() -> tuple[str, ...]:
     """The ops a plugin may implement: those of the contract's specs, and the pipeline strategy."""
-    from ..contract.specs import PIPELINE_OP, PROBLEM_KEYS
+    from ..contract.declarations import OPS
+    from ..contract.specs import PIPELINE_OP
 
-    return (*PROBLEM_KEYS, PIPELINE_OP)
+    return (*OPS, PIPELINE_OP)
 
 
 def builtin_backends() -> tuple[str, ...]:

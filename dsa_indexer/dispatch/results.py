@@ -93,7 +93,7 @@ def _signature(args: tuple) -> tuple:
 def checked(fn: Callable[..., Any], impl) -> Callable[..., Any]:
     """``fn`` (``impl``'s callable), raising `ImplementationResultError` when a result's metadata is not what the
     op declares. Ops without a declaration (the pipeline strategy) are returned unwrapped."""
-    from ..contract.specs import DECLARED
+    from ..contract.declarations import DECLARED
 
     decl = DECLARED.get(impl.op)
     if decl is None:

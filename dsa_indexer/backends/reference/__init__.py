@@ -28,7 +28,7 @@ def _factory(name: str):
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
-    from ...ops import OPS
+    from ...contract.declarations import OPS
     from ...contract.quant import GEMM_INPUT_LAYOUT
 
     for op in OPS:  # every op has its pure-torch oracle
