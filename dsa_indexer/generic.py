@@ -1,7 +1,7 @@
-"""Generic strategies: compositions that run on every target by calling the ops through the registry.
+"""Generic compositions that run on every target by calling the ops through the registry.
 
-They are not kernels, so they live beside the pipeline rather than in a backend: the single-stream pipeline
-strategy (`pipeline.single_stream`) and the composed lightning indexers (paged or ragged logits, then top-k, each
+They are not kernels, so they live beside the pipeline rather than in a backend (the single-stream pipeline
+strategies register from `pipeline.py` itself): the composed lightning indexers (paged or ragged logits, then top-k, each
 resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
 register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends` in pyproject.toml).
 """
@@ -16,7 +16,6 @@ from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .dispatch.target import Target
 from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
-from .pipeline import register_single_stream, register_x_projections_torch
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
 # The prefill composition outranks the Triton fused ragged top-k (1): it measured faster on the H200 at every size
@@ -94,5 +93,3 @@ def dsa_indexer_register(registry: Registry) -> None:
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
                             takes_target=True,
                             verified=COMPOSED_VERIFIED)(lambda: make_lightning_indexer_composed(inner))
-    register_single_stream(registry)
-    register_x_projections_torch(registry)
