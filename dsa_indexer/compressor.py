@@ -194,8 +194,8 @@ class Compressor(nn.Module):
                                     "(paged64_fp8_e4m3)")
         rows = step.compress_rows
         cos_sin = plan.weights.cos_sin
-        pooled = plan.run("c4_pool", "c4_compress_pool", self.project(x), step.state.window, self.ape, step.positions, step.row_request,
-                          step.state_slot, rows)
+        pooled = plan.run("c4_pool", "c4_compress_pool", self.project(x), step.state.window, self.ape, step.positions,
+                          step.row_request, step.state_slot, rows)
         # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
         # slot -1 and store nothing, but their position must still index the table: clamp at 0.
         entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
@@ -203,12 +203,13 @@ class Compressor(nn.Module):
             self._store_fp4(plan, pooled, entry_positions, step.entry_slots[rows], kv_cache, cos_sin)
             return
         if isinstance(kv_cache, IndexKCache):
-            plan.run("c4_store", "k_prologue_store_plain", pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin, kv_cache.data,
-                     kv_cache.scales_or_empty(), step.entry_slots[rows], cfg.rope_offset, cfg.rope_interleaved,
-                     "rmsnorm", kv_cache.key_format)
+            plan.run("c4_store", "k_prologue_store_plain", pooled, self.norm.weight, None, cfg.norm_eps,
+                     entry_positions, cos_sin, kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
+                     cfg.rope_offset, cfg.rope_interleaved, "rmsnorm", kv_cache.key_format)
             return
-        plan.run("c4_store", "k_prologue_store", pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin, kv_cache,
-                 step.entry_slots[rows], cfg.rope_offset, cfg.rope_interleaved, cfg.ue8m0, plan.fp8_dtype, "rmsnorm")
+        plan.run("c4_store", "k_prologue_store", pooled, self.norm.weight, None, cfg.norm_eps, entry_positions,
+                 cos_sin, kv_cache, step.entry_slots[rows], cfg.rope_offset, cfg.rope_interleaved, cfg.ue8m0,
+                 plan.fp8_dtype, "rmsnorm")
 
     def _store_fp4(self, plan, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
                    cos_sin: torch.Tensor) -> None:
@@ -239,6 +240,6 @@ class Compressor(nn.Module):
         # the q_prologue_fp4 kernel (one Triton launch on GPUs) returns the fp8 keys and, as the weights, their row
         # scales (1 * 1.0 * row_scale, exact).
         unit = torch.ones(normed.shape[0], 1, dtype=torch.float32, device=normed.device)
-        keys, scales = plan.run("c4_fp4_keys", "q_prologue_fp4", normed[:, None, :], entry_positions, cos_sin, unit, 1.0,
-                                cfg.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
+        keys, scales = plan.run("c4_fp4_keys", "q_prologue_fp4", normed[:, None, :], entry_positions, cos_sin, unit,
+                                1.0, cfg.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
         store_rows(kv_cache, slots, keys[:, 0], scales[:, 0])

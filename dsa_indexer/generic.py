@@ -1,9 +1,10 @@
 """Generic compositions that run on every target by calling the ops through the registry.
 
 They are not kernels, so they live beside the pipeline rather than in a backend (the single-stream pipeline
-strategies register from `pipeline.py` itself): the composed lightning indexers (paged or ragged logits, then top-k, each
-resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
-register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends` in pyproject.toml).
+strategies register from `pipeline.py` itself): the composed lightning indexers (paged or ragged logits, then
+top-k, each resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend
+fuses them). They register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends`
+in pyproject.toml).
 """
 
 from __future__ import annotations
