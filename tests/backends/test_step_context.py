@@ -58,16 +58,18 @@ def _counting_deep_gemm() -> types.ModuleType:
     return mod
 
 
-@pytest.fixture
-def deepgemm_step(monkeypatch):
-    """Layers resolving for sm90 with DeepGEMM present (the double) and the CUDA top-k stood in by the reference."""
+@pytest.fixture(params=[True, False], ids=["deepgemm_radix", "composed"])
+def deepgemm_step(monkeypatch, request):
+    """Layers resolving for sm90 with DeepGEMM present (the double) and the CUDA top-k stood in by the reference;
+    without the CUDA JIT (no nvcc) the decode scorer is the composition of DeepGEMM's logits and a top-k."""
     module = _counting_deep_gemm()
     monkeypatch.setitem(sys.modules, "deep_gemm", module)
     monkeypatch.setattr(dg_adapt.LIBRARY, "detected", None)
     monkeypatch.setattr(lightning, "topk_indices", ref.topk_indices)
     registry = Registry()
     load_plugins(registry, entry_points=False)
-    registry.set_environment(Environment.simulated(gpu=True, triton=False, deep_gemm=True, cuda_jit=True))
+    registry.set_environment(Environment.simulated(gpu=True, triton=False, deep_gemm=True,
+                                                   cuda_jit=True if request.param else "no nvcc (simulated)"))
     layers = []
     for seed in range(LAYERS):
         layer = Indexer(CFG, target="sm90").init_random(seed)
@@ -101,7 +103,8 @@ def test_an_inference_mode_step_launches_no_more_kernels_than_a_no_grad_step(dee
     seed = int(torch.randint(0, 1 << 30, ()))
     _step(layers, torch.no_grad, seed)  # warm: plans bound, adapters built
     plan = layers[0].step_plan(2, True)
-    assert plan.kernels["score"].impl_id == "lightning_indexer.cuda.deepgemm_radix"
+    assert plan.kernels["score"].impl_id in ("lightning_indexer.cuda.deepgemm_radix",
+                                             "lightning_indexer.generic.composed")
     counts = {}
     results = {}
     for mode in (torch.no_grad, torch.inference_mode):
