@@ -5,11 +5,13 @@
 To isolate the dispatch from the kernel, the benchmark registers (in this process only) a top-k implementation
 that returns at once, forces it, and times the same call four ways: the implementation directly, through
 `Registry.call`, through the op body (target + problem + lookup), and through the public op (which also validates).
-Medians of many timed loops, one thread.
+Medians of many timed loops, one thread; the machine's load average is recorded with them (a loaded machine
+slows every row alike: compare rows measured in one run, or two trees measured back to back).
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,8 +41,12 @@ def per_call_us(fn, loops=2000, repeats=15) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a dispatch_overhead_cpu.json this script wrote for another tree just before, kept in "
+                             "this run's JSON as the comparison measured under the same load")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     logits = torch.randn(1, 8)
     ends = torch.tensor([8], dtype=torch.int32)
     registry = default_registry()
@@ -80,7 +86,13 @@ def main() -> int:
         "overhead_us": {"registry lookup": via_registry - direct, "dispatch (target+problem+lookup)":
                         via_custom_op_body - direct, "public op incl. validation": via_public - direct},
         "target_us": 3.0,
+        # Other processes on the machine slow every row alike: the 1-minute load average and the cores it shares.
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "cpus": os.cpu_count(),
     }
+    if args.baseline:
+        before = json.loads(args.baseline.read_text())
+        result["baseline"] = {key: before[key] for key in ("per_call_us", "overhead_us", "load_average")
+                              if key in before}
     print(f"{'path':<40}{'us/call':>10}{'overhead':>10}")
     for name, value in rows.items():
         print(f"{name:<40}{value:10.2f}{value - direct:10.2f}")

@@ -25,7 +25,7 @@ from .contract.step import StepContext
 from .contract.validate import IndexerInputError, check_page_sharing
 
 
-def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
+def host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
     empty = (isinstance(value, (list, tuple)) and len(value) == 0
              or isinstance(value, torch.Tensor) and value.numel() == 0)
     if per_request and empty:
@@ -48,7 +48,7 @@ def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bo
     return t.long()
 
 
-def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> int:
+def check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> int:
     """``needed_pages[b]`` pages of row b must exist in the table and point inside the cache; returns the largest
     page id in use (-1: none), which `Indexer.forward` checks against the cache it is given."""
     if block_table.dim() != 2 or block_table.shape[0] != needed_pages.shape[0]:
@@ -83,7 +83,7 @@ def check_decode_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, next_n
     ``[(seq - next_n) // ratio, seq // ratio)``. Returns the largest page in use (-1: none)."""
     seq = seq_lens.long()
     total = seq // compress_ratio
-    max_page = _check_block_table(block_table, (total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+    max_page = check_block_table(block_table, (total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
     check_page_sharing("block_table", block_table, total, PAGE_SIZE, (seq - next_n).clamp_min(0) // compress_ratio,
                        _key_unit(compress_ratio))
     return max_page
@@ -105,17 +105,17 @@ def _key_slots(table: torch.Tensor, request: torch.Tensor, positions: torch.Tens
     return slots, completes.reshape(-1).nonzero().reshape(-1)
 
 
-def _last_position(positions: torch.Tensor, request: torch.Tensor) -> tuple[int, int]:
+def largest_position(positions: torch.Tensor, request: torch.Tensor) -> tuple[int, int]:
     """(largest position, its request) from the host tensors, for the RoPE-table check at forward."""
     row = int(positions.argmax())
     return int(positions[row]), int(request[row])
 
 
-def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
+def request_state_slots(state_slots, num_requests: int) -> torch.Tensor:
     """The CompressorState slot of each request: ``state_slots`` if given, else the request's index."""
     if state_slots is None:
         return torch.arange(num_requests)
-    slots = _as_host_int_tensor("state_slots", state_slots, (1,))
+    slots = host_int_tensor("state_slots", state_slots, (1,))
     if slots.shape[0] != num_requests:
         raise IndexerInputError(f"state_slots must name one slot per request ({num_requests}), got {slots.shape[0]}")
     if bool((slots < 0).any()) or slots.unique().numel() != slots.numel():
@@ -301,8 +301,8 @@ class DecodeBatch:
             raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
-        table = _as_host_int_tensor("block_table", block_table, (2,))
+        seq = host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
+        table = host_int_tensor("block_table", block_table, (2,))
         if seq.numel() == 0:
             raise IndexerInputError("seq_lens must name at least one request")
         if bool((seq < next_n).any()):
@@ -322,12 +322,12 @@ class DecodeBatch:
             width = table.shape[1] * PAGE_SIZE
         request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n)
         slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
-        state = _state_slots(state_slots, seq.shape[0])[request]
+        state = request_state_slots(state_slots, seq.shape[0])[request]
         return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
                    positions.reshape(-1).to(device), slots.reshape(-1).to(device),
                    request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio,
                    compress_rows.to(device), state.reshape(-1).to(device), int(state.max()), max_page,
-                   _last_position(positions.reshape(-1), request.reshape(-1)))
+                   largest_position(positions.reshape(-1), request.reshape(-1)))
 
 
 @dataclass(frozen=True)
@@ -417,9 +417,9 @@ class PrefillBatch:
         request order). ``state_slots[b]``: the `CompressorState` slot of request b (C4; default b)."""
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,), per_request=True)
-        extend = _as_host_int_tensor("extend_lens", extend_lens, (1,), per_request=True)
-        table = _as_host_int_tensor("block_table", block_table, (2,))
+        prefix = host_int_tensor("prefix_lens", prefix_lens, (1,), per_request=True)
+        extend = host_int_tensor("extend_lens", extend_lens, (1,), per_request=True)
+        table = host_int_tensor("block_table", block_table, (2,))
         if prefix.shape != extend.shape or prefix.numel() == 0:
             raise IndexerInputError(f"prefix_lens and extend_lens must be non-empty and of one length, got "
                                     f"{list(prefix.shape)} and {list(extend.shape)}")
@@ -427,7 +427,7 @@ class PrefillBatch:
             raise IndexerInputError("prefix_lens must be >= 0 and extend_lens >= 1 for every request")
         total = prefix + extend
         keys_total = total // compress_ratio
-        max_page = _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        max_page = check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
         check_page_sharing("block_table", table, keys_total, PAGE_SIZE, prefix // compress_ratio,
                            _key_unit(compress_ratio))
         ks, ke, pos, req, gather = [], [], [], [], []
@@ -445,10 +445,10 @@ class PrefillBatch:
         request = torch.cat(req)
         ks_t, ke_t = torch.cat(ks), torch.cat(ke)
         slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
-        state = _state_slots(state_slots, prefix.shape[0])[request]
+        state = request_state_slots(state_slots, prefix.shape[0])[request]
         return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
                    compress_rows.to(device), state.to(device), int(state.max()), max_page,
-                   _last_position(positions, request), (ks_t.long(), ke_t.long()),
+                   largest_position(positions, request), (ks_t.long(), ke_t.long()),
                    host_requests=(torch.cat([torch.zeros(1, dtype=torch.long), extend.cumsum(0)]), total.clone()))

@@ -370,11 +370,11 @@ def _writable_json_path(text: str) -> str:
 
 def _progress_style(text: str) -> str:
     """``--progress``: checked before the run (a bar library that is asked for by name must import)."""
-    from .bench import PROGRESS_STYLES, _importable
+    from .bench import PROGRESS_STYLES, importable
 
     if text not in PROGRESS_STYLES:
         raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(PROGRESS_STYLES)})")
-    if text in ("rich", "tqdm") and not _importable(text):
+    if text in ("rich", "tqdm") and not importable(text):
         raise argparse.ArgumentTypeError(f"{text} is not installed (pip install {text}; or use auto or plain)")
     return text
 
@@ -640,7 +640,7 @@ def script_main(name: str, suites: Sequence[str], argv: Sequence[str] | None, *,
     import argparse
     from pathlib import Path
 
-    from .bench import _importable
+    from .bench import importable
 
     parser = argparse.ArgumentParser(description=doc or f"dsa-indexer bench --suite {' '.join(suites)}",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -660,7 +660,7 @@ def script_main(name: str, suites: Sequence[str], argv: Sequence[str] | None, *,
         command += ["--budget-s", str(args.budget_s)]
     if args.quick and torch.cuda.is_available():  # the CPU sizes are small already
         command += list(quick)
-    if _importable("matplotlib"):
+    if importable("matplotlib"):
         command += ["--plots", str(args.out / f"{name}_plots")]
     else:
         print("matplotlib does not import: no plots (pip install 'dsa-indexer[bench]')", file=sys.stderr)

@@ -33,8 +33,7 @@ from .dispatch.target import Target, parse_target, target_of_tensor
 _PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+_compiling = torch.compiler.is_compiling  # the function itself (Dynamo knows it), not a wrapper: one call less
 
 
 def _parsed(name: str) -> Target:
@@ -86,8 +85,11 @@ class DeclaredOp:
         def run(*args: Any, target: Target | str | None = None) -> Any:
             """The op body: the call's interned problem and its target, then the op bound for them, called."""
             found = problems.get(facts(*args))
-            return bind(name, target if type(target) is Target else _target_for(args[0], target),
-                        found if found is not None else problem_of(*args)).fn(*args)
+            key = (name, target if type(target) is Target else
+                   target_of_tensor(args[0]) if target is None else _target_for(args[0], target),
+                   found if found is not None else problem_of(*args))
+            bound = default_registry().bindings.get(key)  # `bind`'s own cache, read here: a call less per op
+            return (bound if bound is not None else bind(*key)).fn(*args)
 
         def arguments(*args: Any, target: Target | str | None = None, **kwargs: Any) -> tuple:
             """The implementation's arguments of this public call: the declaration's checks and normalization, then
@@ -105,8 +107,10 @@ class DeclaredOp:
 
         @functools.wraps(check)
         def public(*args: Any, target: Target | str | None = None, **kwargs: Any) -> Any:
-            explicit = _target_arg(target)
-            args = arguments(*args, target=explicit, **kwargs)
+            explicit = None if target is None else _target_arg(target)
+            args = check(*args, **kwargs)  # as `arguments`, inline: this is the per-call path
+            if fp8_at is not None and args[fp8_at] is None:
+                args = (*args[:fp8_at], _target_for(args[0], explicit).fp8_dtype, *args[fp8_at + 1:])
             out = compiled(*args, target=explicit) if _compiling() else run(*args, target=explicit)
             return out if finish is None else finish(out, args, explicit)
 

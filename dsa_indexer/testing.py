@@ -584,7 +584,7 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
     from .dispatch import results
     from .dispatch.plugins import default_registry
     from .dispatch.platform import vendors
-    from .dispatch.target import _device_of, detect_target, parse_target
+    from .dispatch.target import device_of, detect_target, parse_target
 
     registry = registry or default_registry()
     op = impl_id.split(".", 1)[0]
@@ -596,7 +596,7 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
     if impl is None:
         raise ValueError(f"check_implementation: {impl_id!r} is not registered; registered for {op}: "
                          f"{', '.join(i.impl_id for i in registry.implementations(op))}")
-    device = torch.device(device) if device is not None else _device_of(None)
+    device = torch.device(device) if device is not None else device_of(None)
     if target is None:
         here = detect_target(device)
         arches = [parse_target(platform_of(t).archs[0] if t in vendors() else t) for t in impl.targets

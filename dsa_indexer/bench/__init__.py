@@ -40,7 +40,7 @@ from .report import (  # noqa: F401
 from .timing import (  # noqa: F401
     Timer, Timing, UNSTABLE_RATIO, capture, measure_ceilings, percentile, rate_spread, spread_of)
 from .progress import (  # noqa: F401
-    PlainProgress, _importable, progress_factory)
+    PlainProgress, importable, progress_factory)
 from .suites import (  # noqa: F401
     bench_decode, bench_decode_step, bench_prefill, bench_topk, pipeline_variant, random_cache, run_bench,
     step_floor_bytes)

@@ -61,7 +61,8 @@ class _RichProgress:
         self.progress.stop()
 
 
-def _importable(name: str) -> bool:
+def importable(name: str) -> bool:
+    """Whether ``import name`` works here (an optional library: rich, tqdm, matplotlib)."""
     try:
         __import__(name)
     except ImportError:
@@ -80,8 +81,8 @@ def progress_factory(style: str = "auto", stream=None) -> Callable[[int], object
     stream = stream or sys.stderr
     if style == "auto":
         tty = bool(getattr(stream, "isatty", lambda: False)())
-        style = ("rich" if tty and _importable("rich") else "tqdm" if tty and _importable("tqdm") else "plain")
-    if style in ("rich", "tqdm") and not _importable(style):
+        style = ("rich" if tty and importable("rich") else "tqdm" if tty and importable("tqdm") else "plain")
+    if style in ("rich", "tqdm") and not importable(style):
         raise ImportError(f"progress style {style!r} needs {style}: pip install {style} (or use plain)")
     cls = {"rich": _RichProgress, "tqdm": _TqdmProgress, "plain": PlainProgress, "none": _NoProgress}[style]
     return lambda total: cls(total, stream)

@@ -23,16 +23,18 @@ from .timing import Timer, measure_ceilings
 
 # --- resolution ----------------------------------------------------------------------------------------------------
 class _Forced:
-    """``with _Forced(op, impl_id):`` resolves ``op`` to that implementation for the block (timing included)."""
+    """``with _Forced(op, impl_id):`` resolves ``op`` to that implementation for the block (timing included), then
+    restores the override that was there before (a user's `Registry.force` survives a bench row)."""
 
     def __init__(self, op: str, impl_id: str) -> None:
         self.op, self.impl_id = op, impl_id
 
     def __enter__(self):
-        default_registry().force(self.op, self.impl_id)
+        self.registry = default_registry()
+        self.previous = self.registry.force(self.op, self.impl_id)
 
     def __exit__(self, *exc):
-        default_registry().force(self.op, None)
+        self.registry.force(self.op, self.previous)
 
 
 def _time_forced(timer: Timer, op: str, impl_id: str, fn: Callable[[], object]) -> float:

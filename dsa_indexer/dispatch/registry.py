@@ -260,20 +260,21 @@ class Registry:
         self._invalidate()
 
     # --- overrides ----------------------------------------------------------------------------
-    def force(self, op: str, impl_id: str | None) -> None:
-        """Always use ``impl_id`` for ``op`` (``None`` removes the override). Both names are checked now: a typo
-        raises here, naming what is registered, instead of failing at the op's first call."""
+    def force(self, op: str, impl_id: str | None) -> str | None:
+        """Always use ``impl_id`` for ``op`` (``None`` removes the override); returns the override it replaces
+        (None: there was none), so a caller that forces for a while can restore it. Both names are checked now: a
+        typo raises here, naming what is registered, instead of failing at the op's first call."""
         with self._lock:
             if op not in self._impls:
                 raise ValueError(f"Registry.force: unknown op {op!r}; ops: {', '.join(self.ops())}")
             if impl_id is not None and impl_id not in self._impls[op]:
                 raise ValueError(f"Registry.force: {impl_id!r} is not registered for {op!r}; registered: "
                                  f"{', '.join(sorted(self._impls[op]))}")
-            if impl_id is None:
-                self._overrides.forced.pop(op, None)
-            else:
+            previous = self._overrides.forced.pop(op, None)
+            if impl_id is not None:
                 self._overrides.forced[op] = impl_id
             self._invalidate()
+            return previous
 
     def set_strict(self, strict: bool | None) -> None:
         """Refuse the reference fallback on GPU targets (``None``: follow ``DSA_INDEXER_STRICT``)."""

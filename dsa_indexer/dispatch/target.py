@@ -73,7 +73,8 @@ def parse_target(name: str, source: str | None = None) -> Target:
     raise IndexerInputError(f"{where}unknown target {name!r}: expected {accepted}")
 
 
-def _device_of(device: torch.device | str | int | None) -> torch.device:
+def device_of(device: torch.device | str | int | None) -> torch.device:
+    """``device`` as a torch device; None: the first visible accelerator a platform names, else the CPU."""
     if device is None:
         for platform in platforms():
             if platform.default_device and platform.device_visible():
@@ -124,7 +125,7 @@ def detect_target(device: torch.device | str | int | None = None, override: str 
     env = _environment_override()
     if env is not None:
         return env
-    return _detect_hardware(_device_of(device))
+    return _detect_hardware(device_of(device))
 
 
 _UNREAD = object()

@@ -142,7 +142,7 @@ def test_progress_uses_a_bar_library_on_a_terminal_only():
     bar.advance("topk B=1 ctx=256")
     bar.close()
     assert "1/1" in stream.getvalue()
-    if not bench._importable("rich"):
+    if not bench.importable("rich"):
         assert type(bench.progress_factory("auto", _Terminal())(1)).__name__ == "_TqdmProgress"
     assert isinstance(bench.progress_factory("auto", io.StringIO())(1), bench.PlainProgress)  # a pipe: plain
 
@@ -317,3 +317,25 @@ def test_bench_from_json_of_a_wrong_file_names_the_file(tmp_path, capsys, conten
     assert main(["bench", "--from-json", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"--from-json {path} {what}" in err and "Traceback" not in err
+
+
+def test_a_forced_bench_row_restores_the_override_that_was_there(monkeypatch):
+    """A bench row forces each implementation it times; after the row, a user's own `Registry.force` is back (it
+    used to be reset to no override at all)."""
+    from dsa_indexer.bench.suites import _Forced
+    from dsa_indexer.dispatch import Environment, Problem, Registry, Target, plugins
+
+    reg = Registry(environment=Environment.simulated(gpu=True))
+    for impl_id, priority in (("op.reference.torch", 0), ("op.vendor.a", 100), ("op.vendor.b", 200)):
+        reg.implementation("op", impl_id=impl_id, targets=("*",), priority=priority)(
+            lambda impl_id=impl_id: (lambda: impl_id))
+    monkeypatch.setattr(plugins, "_default", reg)
+    sm90 = Target("cuda", "sm90")
+    assert reg.force("op", "op.vendor.a") is None  # force returns the override it replaces
+    with _Forced("op", "op.reference.torch"):
+        assert reg.call("op", sm90, Problem()) == "op.reference.torch"
+    assert reg.forced()["op"] == "op.vendor.a" and reg.call("op", sm90, Problem()) == "op.vendor.a"
+    assert reg.force("op", None) == "op.vendor.a"
+    with _Forced("op", "op.vendor.a"):
+        assert reg.call("op", sm90, Problem()) == "op.vendor.a"
+    assert "op" not in reg.forced() and reg.call("op", sm90, Problem()) == "op.vendor.b"

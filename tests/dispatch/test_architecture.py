@@ -1,6 +1,7 @@
-"""The house's shape, checked: the package's imports (module level and inside functions) form no circle, and
-`dispatch/` (which decides) imports no backend (which implements). Read from the source with `ast`, so a new
-circle fails here, not in a review."""
+"""The house's shape, checked: the package's imports (module level and inside functions) form no circle, neither
+between modules nor between the package's parts (the contract, dispatch, the ops, the backends, the model),
+`dispatch/` (which decides) imports no backend (which implements), and no module reaches into another's private
+names. Read from the source with `ast`, so a new circle or reach-in fails here, not in a review."""
 
 from __future__ import annotations
 
@@ -124,3 +125,100 @@ def test_no_backend_imports_the_model():
     into_backends = sorted((m, t) for m, targets in edges.items() if m in model
                            for t in targets if t.startswith("dsa_indexer.backends"))
     assert into_model == [] and into_backends == []
+
+
+# --- parts ---------------------------------------------------------------------------------------------------------
+# The layers of docs/architecture.md's drawing. The contract holds what every layer builds on (contract/, the model
+# configurations and RoPE tables, the environment-flag parser); ops.py is the public ops over dispatch; the model is
+# everything a user or an engine drives (the Indexer and its step, the CLI, bench, testing, integrations).
+CONTRACT_MODULES = {"contract", "config", "rope", "envflags"}
+
+
+def _part(module: str) -> str:
+    top = module.removeprefix("dsa_indexer").lstrip(".").split(".")[0]
+    if top in CONTRACT_MODULES:
+        return "contract"
+    if top in ("dispatch", "backends", "ops"):
+        return top
+    return "model"
+
+
+def _part_edges(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    parts: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        parts.setdefault(_part(module), set()).update(_part(t) for t in targets if _part(t) != _part(module))
+    return parts
+
+
+def test_the_parts_form_no_circle():
+    """A part-level circle (the contract importing dispatch that imports the contract, say) makes every part of it
+    one piece; the op declarations live in contract/ and name no target, so none is left."""
+    parts = _part_edges(_imports(_modules()))
+    assert set(parts) == {"contract", "dispatch", "ops", "backends", "model"}
+    assert _circles(parts) == []
+    assert parts["contract"] == set(), "the contract imports no other part"
+    assert parts["dispatch"] == {"contract"}, "dispatch imports only the contract"
+
+
+def test_the_part_finder_sees_a_circle():
+    assert _circles(_part_edges({"dsa_indexer.contract.x": {"dsa_indexer.dispatch.y"},
+                                 "dsa_indexer.dispatch.y": {"dsa_indexer.contract.x"}})) == [["contract", "dispatch"]]
+
+
+# --- private names ---------------------------------------------------------------------------------------------------
+# Reach-ins left, each with why (none: the step memo's rework and the batch records made the shared names public).
+ALLOWED_REACH_INS: set[tuple[str, str]] = set()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _reach_ins(modules: dict[str, Path]) -> set[tuple[str, str]]:
+    """(module, other module's private name) for each ``from other import _name`` and each ``other._name`` (other
+    imported as a module, or a name imported from it: ``Class._attr``)."""
+    found = set()
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        tree = ast.parse(path.read_text())
+        origin: dict[str, str] = {}  # local name -> the package module it comes from (or is)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                if base is None or base.split(".")[0] != "dsa_indexer":
+                    continue
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        origin[alias.asname or alias.name] = f"{base}.{alias.name}"
+                        continue
+                    origin[alias.asname or alias.name] = base
+                    if _private(alias.name) and base != name:
+                        found.add((name, f"{base}.{alias.name}"))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules and alias.asname:
+                        origin[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+                source = origin.get(node.value.id)
+                if source is not None and source != name:
+                    found.add((name, f"{source}.{node.attr}"))
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    reach_ins = _reach_ins(_modules())
+    assert sorted(reach_ins - ALLOWED_REACH_INS) == []
+    assert sorted(ALLOWED_REACH_INS - reach_ins) == [], "an allowed reach-in is gone: drop it from the list"
+
+
+def test_the_reach_in_finder_sees_both_forms(tmp_path):
+    (tmp_path / "a.py").write_text("def _helper():\n    pass\nclass Box:\n    _cache = {}\n")
+    (tmp_path / "b.py").write_text("from .a import _helper\n")
+    (tmp_path / "c.py").write_text("from . import a\nfrom .a import Box\na._helper()\nBox._cache.clear()\n")
+    (tmp_path / "d.py").write_text("from .a import Box\nBox()\n")
+    modules = {f"dsa_indexer.{n}": tmp_path / f"{n}.py" for n in "abcd"}
+    assert _reach_ins(modules) == {("dsa_indexer.b", "dsa_indexer.a._helper"),
+                                   ("dsa_indexer.c", "dsa_indexer.a._helper"),
+                                   ("dsa_indexer.c", "dsa_indexer.a._cache")}

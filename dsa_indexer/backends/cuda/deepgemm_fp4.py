@@ -18,7 +18,7 @@ from ...contract.cache import pack_e2m1 as pack_fp4_bytes
 from ...contract.validate import IndexerInputError, ranges_checked
 from .deepgemm_api import FP4_LOGITS_BLOCK, METADATA, PAGED_NEW, RAGGED_NEW, DeepGemmApi
 from ...contract.step import StepContext, step_scratch
-from .deepgemm_kernels import _num_sms, mask_tail_, ue8m0_bytes
+from .deepgemm_kernels import device_sm_count, mask_tail_, ue8m0_bytes
 
 def pack_ue8m0_rows(scales: torch.Tensor) -> torch.Tensor:
     """fp32 power-of-two block scales [..., B] (B <= 4) as one int32 per row (contiguous), the ``q_sf`` / ``kv_sf``
@@ -129,7 +129,7 @@ def make_fp4_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[
 
     def schedule(context_lens: torch.Tensor, device: torch.device, context: StepContext | None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_sms = _num_sms(module, device)
+        num_sms = device_sm_count(module, device)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             # Rows with no visible key would make DeepGEMM fault: one key to read; the mask below uses the true ones.

@@ -106,7 +106,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Adapters
-def _num_sms(module: ModuleType, device: torch.device) -> int:
+def device_sm_count(module: ModuleType, device: torch.device) -> int:
     get = getattr(module, "get_num_sms", None)
     if callable(get):
         return int(get())  # DeepGEMM checks the metadata against its own (settable) SM count
@@ -132,7 +132,7 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
         """(the lengths DeepGEMM is given, its schedule metadata), computed once per decode step: kept in the
         step's context, so every layer of a step (and every layer captured into one graph) shares one metadata
         kernel."""
-        num_sms = _num_sms(module, device)
+        num_sms = device_sm_count(module, device)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             lens2d = context_lens.contiguous()

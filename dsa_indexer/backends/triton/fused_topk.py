@@ -62,7 +62,7 @@ import triton.language as tl
 
 from ...contract import validate as v
 from ...contract.cache import HEAD_DIM
-from .logits import _next_pow2, _ragged_config, ragged_key_logits, ragged_q_tile
+from .logits import next_pow2, ragged_config, ragged_key_logits, ragged_q_tile
 from .logits import ragged_mqa_logits as _triton_ragged_logits
 from .topk import topk_indices as _triton_topk_indices
 
@@ -391,7 +391,7 @@ def fused_ragged_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.
         return out.fill_(-1)
 
     on_gpu = device.type == "cuda"
-    cfg = _ragged_config(s, n, heads, device)  # the logits kernel's tiles: bit-identical logits
+    cfg = ragged_config(s, n, heads, device)  # the logits kernel's tiles: bit-identical logits
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     # CJ slots in each of the BLOCK_N sub-buffers of a row. A row of width <= (CJ - 1) * BLOCK_N touches at most
     # CJ key blocks, so it keeps every column without overflow; wider rows take a sampled threshold.
@@ -409,7 +409,7 @@ def fused_ragged_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.
     cand_launch = dict(_CAND_LAUNCH)
     if on_gpu and torch.version.hip is None and cfg["num_warps"] == 8:
         cand_launch.setdefault("maxnreg", 128)
-    topk_p2 = _next_pow2(topk)
+    topk_p2 = next_pow2(topk)
     sub_rows = max(1, (1024 if on_gpu else 64) // block_n)
     pad_block = min(topk_p2, 1024)
 
@@ -468,7 +468,7 @@ def scratch_bytes_per_row(topk: int, capacity: int | None = None) -> int:
     this kernel scores them (no [rows, keys] logits: about 16x more rows per chunk than the logits' 4 B per key)."""
     cap = 4 * topk if capacity is None else capacity
     cap = -(-cap // 128) * 128
-    return 8 * (cap + _next_pow2(topk)) + 4 * 128 + 4
+    return 8 * (cap + next_pow2(topk)) + 4 * 128 + 4
 
 
 def ragged_mqa_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,

@@ -43,13 +43,13 @@ def config_override(kernel: str, **cfg):
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: only the number of programs it creates matters
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -186,7 +186,7 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
         tl.store(out_rows[None, :] + keys[:, None], neg_inf, mask=row_ok[None, :] & (keys < N)[:, None])
 
 
-def _ragged_config(s: int, n: int, heads: int, device: torch.device) -> dict:
+def ragged_config(s: int, n: int, heads: int, device: torch.device) -> dict:
     """Tile sizes and the key split; a pure function of the shapes (no host sync, graph-capturable)."""
     over = _OVERRIDE["ragged"]
     block_m = over.get("block_m", max(1, _RAGGED_TILE_COLS // heads))
@@ -200,7 +200,7 @@ def _ragged_config(s: int, n: int, heads: int, device: torch.device) -> dict:
     row_blocks = triton.cdiv(s, block_m)
     key_blocks = triton.cdiv(n, block_n)
     # Enough programs to fill the machine when there are few rows (short prefill chunk, long prefix).
-    target = 4 * _sm_count(device)
+    target = 4 * sm_count(device)
     splits = over.get("splits", max(1, min(key_blocks, triton.cdiv(target, row_blocks))))
     split_len = triton.cdiv(key_blocks, min(splits, key_blocks)) * block_n
     splits = triton.cdiv(n, split_len)
@@ -227,7 +227,7 @@ def launch_ragged_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tenso
         return out
     if dim != HEAD_DIM or heads & (heads - 1):
         raise ValueError(f"the Triton ragged logits kernel takes D=128 and a power-of-two head count, got {heads}x{dim}")
-    cfg = _ragged_config(s, n, heads, q.device)
+    cfg = ragged_config(s, n, heads, q.device)
     grid = (cfg["splits"] * cfg["row_blocks"],)
     _ragged_logits_kernel[grid](
         q.contiguous(), k.contiguous(), k_scales.contiguous(), weights.contiguous().float(),
@@ -299,13 +299,13 @@ def _paged_logits_kernel(q_ptr, kv_ptr, kv_scale_ptr, w_ptr, ctx_ptr, bt_ptr, ou
         tl.store(out_rows[None, :] + pos[:, None], neg_inf, mask=n_ok[None, :] & (pos < stop)[:, None])
 
 
-def _paged_config(batch: int, max_context_len: int, device: torch.device) -> dict:
+def paged_config(batch: int, max_context_len: int, device: torch.device) -> dict:
     """Context chunk per program: large enough to amortize the q load, small enough that B=1 with a long
     context still gives several programs per SM. A pure function of the shapes."""
     if device.type != "cuda":
         cfg = dict(chunk=128, tile=64, num_warps=4, num_stages=1)
     else:
-        target = 4 * _sm_count(device)
+        target = 4 * sm_count(device)
         chunk = 2048
         while chunk > 256 and batch * triton.cdiv(max_context_len, chunk) < target:
             chunk //= 2
@@ -323,7 +323,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         return out
     if dim != HEAD_DIM or heads & (heads - 1):
         raise ValueError(f"the Triton paged logits kernel takes D=128 and a power-of-two head count, got {heads}x{dim}")
-    cfg = _paged_config(batch, max_context_len, q.device)
+    cfg = paged_config(batch, max_context_len, q.device)
     assert cfg["chunk"] % cfg["tile"] == 0 and cfg["tile"] % PAGE_SIZE == 0
     pages = kv_cache.shape[0]
     kv_fp8 = kv_cache.view(q.dtype)  # same bytes; element size 1
@@ -333,7 +333,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     _paged_logits_kernel[grid](
         q.contiguous(), kv_fp8, kv_f32, weights.contiguous().float(), context_lens.contiguous(), block_table, out,
         max_context_len, cfg["chunk"], block_table.stride(0),
-        NEXT_N=next_n, NN=_next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_WORDS=PAGE_BYTES // 4,
+        NEXT_N=next_n, NN=next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_WORDS=PAGE_BYTES // 4,
         TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from ...contract.cache import (FP4_BLOCK, FP4_BYTES_PER_TOKEN, FP4_PAGE_BYTES, FP4_VALUE_BYTES, HEAD_DIM, PAGE_SIZE,
                                SCALE_BYTES)
 from .fp4_codes import fp4_key_scores, q_block_t
-from .logits import _next_pow2, _paged_config, launch_ragged_logits, relu_keeping_nan
+from .logits import next_pow2, paged_config, launch_ragged_logits, relu_keeping_nan
 
 
 @triton.jit
@@ -92,14 +92,14 @@ def paged_mqa_logits_fp4(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     if dim != HEAD_DIM or dim != 4 * FP4_BLOCK or heads & (heads - 1):
         raise ValueError(f"the Triton FP4 logits kernel takes D=128 and a power-of-two head count, got {heads}x{dim}")
-    cfg = _paged_config(batch, max_context_len, q.device)
+    cfg = paged_config(batch, max_context_len, q.device)
     assert cfg["chunk"] % cfg["tile"] == 0 and cfg["tile"] % PAGE_SIZE == 0
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     grid = (batch, triton.cdiv(max_context_len, cfg["chunk"]))
     _paged_fp4_logits_kernel[grid](
         q.contiguous(), kv_cache, weights.contiguous().float(), context_lens.contiguous(), block_table, out,
         max_context_len, cfg["chunk"], block_table.stride(0),
-        NEXT_N=next_n, NN=_next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_BYTES=FP4_PAGE_BYTES,
+        NEXT_N=next_n, NN=next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_BYTES=FP4_PAGE_BYTES,
         VALUE_BYTES=FP4_VALUE_BYTES, SCALE_BYTES=SCALE_BYTES, BLOCK=FP4_BLOCK,
         TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

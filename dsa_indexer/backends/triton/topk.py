@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_SIZE
-from .logits import _next_pow2, _sm_count, paged_mqa_logits
+from .logits import next_pow2, sm_count, paged_mqa_logits
 
 _BINS = 256
 _LEVELS = 4  # bytes of a 32-bit key
@@ -510,7 +510,7 @@ def _split_path_us(rows: int, cols: int, sms: int) -> float:
 def _topk_config(rows: int, cols: int, device: torch.device) -> dict:
     """Path, tile and split: a pure function of the shapes (graph-capturable)."""
     on_gpu = device.type == "cuda"
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if on_gpu:
         path = "rows" if _rows_path_us(rows, cols, sms) <= _split_path_us(rows, cols, sms) else "split"
     else:  # the interpreter: tiny tiles; tests force each path with config_override
@@ -518,7 +518,7 @@ def _topk_config(rows: int, cols: int, device: torch.device) -> dict:
     path = _OVERRIDE.get("path", path)
     if path == "rows":
         # 16 columns per thread (four 16-byte loads in flight) amortize tl.histogram's per-call work.
-        block = min(8192, max(2048, _next_pow2(cols))) if on_gpu else 256
+        block = min(8192, max(2048, next_pow2(cols))) if on_gpu else 256
         num_warps = max(4, min(16, block // 512))
     else:
         block = (2048 if cols > 16384 else 1024) if on_gpu else 256
@@ -582,7 +582,7 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
                              k, chunk, split, **flags)
     _split_output_kernel[grid](x, x.stride(0), starts_arg, ends, hist, state, lists, counters[0], counters[1],
                                suffix, out, bt, bt.stride(0), req, k, chunk, split,
-                               CHUNKS_POW2=_next_pow2(split), **flags, **out_flags)
+                               CHUNKS_POW2=next_pow2(split), **flags, **out_flags)
     return out
 
 

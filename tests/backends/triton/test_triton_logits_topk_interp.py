@@ -85,7 +85,7 @@ def test_ragged_logits_causal_match_reference(device, heads):
 def test_ragged_logits_split_keys(device):
     """Few rows and many keys: the key axis is split over several programs."""
     s, n, heads = 3, 300, 64
-    cfg = triton_logits._ragged_config(s, n, heads, torch.device(device))
+    cfg = triton_logits.ragged_config(s, n, heads, torch.device(device))
     assert cfg["splits"] > 1
     q, k, k_scales, weights = _ragged_inputs(s, n, heads, device)
     ks = torch.tensor([0, 37, 200], device=device, dtype=torch.int32)
