@@ -17,6 +17,7 @@ from .dispatch import (Environment, Implementation, NoImplementationError, Probl
 from .graphs import DecodeGraph
 from .indexer import Indexer
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
+from .contract.step import StepContext
 from .contract.validate import IndexerInputError
 
 __version__ = "0.1.0"
@@ -39,5 +40,5 @@ def explain(op: str, target: str | Target | None = None, **problem) -> str:
 __all__ = ["Compressor", "CompressorState", "DecodeBatch", "DecodeGraph", "Environment", "Fp8GroupLayout",
            "Implementation", "IndexKCache", "Indexer", "IndexerConfig", "IndexerInputError",
            "NoImplementationError", "PrefillBatch", "Problem", "QuantizedActivation", "Registry",
-           "Resolution", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops",
+           "Resolution", "StepContext", "Target", "default_registry", "detect_target", "explain", "hookimpl", "ops",
            "parse_target"]

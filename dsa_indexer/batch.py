@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from .contract.cache import PAGE_SIZE
+from .contract.step import StepContext
 from .contract.validate import IndexerInputError, check_page_sharing
 
 
-def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
+def host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bool = False) -> torch.Tensor:
     empty = (isinstance(value, (list, tuple)) and len(value) == 0
              or isinstance(value, torch.Tensor) and value.numel() == 0)
     if per_request and empty:
@@ -47,7 +48,7 @@ def _as_host_int_tensor(name: str, value, ndim: tuple[int, ...], per_request: bo
     return t.long()
 
 
-def _check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> int:
+def check_block_table(block_table: torch.Tensor, needed_pages: torch.Tensor, num_pages: int | None) -> int:
     """``needed_pages[b]`` pages of row b must exist in the table and point inside the cache; returns the largest
     page id in use (-1: none), which `Indexer.forward` checks against the cache it is given."""
     if block_table.dim() != 2 or block_table.shape[0] != needed_pages.shape[0]:
@@ -82,7 +83,7 @@ def check_decode_pages(seq_lens: torch.Tensor, block_table: torch.Tensor, next_n
     ``[(seq - next_n) // ratio, seq // ratio)``. Returns the largest page in use (-1: none)."""
     seq = seq_lens.long()
     total = seq // compress_ratio
-    max_page = _check_block_table(block_table, (total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+    max_page = check_block_table(block_table, (total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
     check_page_sharing("block_table", block_table, total, PAGE_SIZE, (seq - next_n).clamp_min(0) // compress_ratio,
                        _key_unit(compress_ratio))
     return max_page
@@ -104,17 +105,17 @@ def _key_slots(table: torch.Tensor, request: torch.Tensor, positions: torch.Tens
     return slots, completes.reshape(-1).nonzero().reshape(-1)
 
 
-def _last_position(positions: torch.Tensor, request: torch.Tensor) -> tuple[int, int]:
+def largest_position(positions: torch.Tensor, request: torch.Tensor) -> tuple[int, int]:
     """(largest position, its request) from the host tensors, for the RoPE-table check at forward."""
     row = int(positions.argmax())
     return int(positions[row]), int(request[row])
 
 
-def _state_slots(state_slots, num_requests: int) -> torch.Tensor:
+def request_state_slots(state_slots, num_requests: int) -> torch.Tensor:
     """The CompressorState slot of each request: ``state_slots`` if given, else the request's index."""
     if state_slots is None:
         return torch.arange(num_requests)
-    slots = _as_host_int_tensor("state_slots", state_slots, (1,))
+    slots = host_int_tensor("state_slots", state_slots, (1,))
     if slots.shape[0] != num_requests:
         raise IndexerInputError(f"state_slots must name one slot per request ({num_requests}), got {slots.shape[0]}")
     if bool((slots < 0).any()) or slots.unique().numel() != slots.numel():
@@ -270,10 +271,14 @@ class DecodeBatch:
     # these) describe its tensors, and rebinding a tensor would leave them describing another batch.
     num_tokens: int = field(init=False, repr=False, compare=False)
     batch_size: int = field(init=False, repr=False, compare=False)
+    # The step's context (`contract.step`), shared by every layer that runs this batch; made here, so a batch made
+    # from another (`dataclasses.replace`) never inherits scratch that describes the other's tensors.
+    context: StepContext = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_tokens", self.positions.shape[0])
         object.__setattr__(self, "batch_size", self.block_table.shape[0])
+        object.__setattr__(self, "context", StepContext())
 
     def request_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cu_seqlens_q [B + 1], seq_lens_k [B], block_table)`` for the plain-layout ragged indexer: request b
@@ -296,8 +301,8 @@ class DecodeBatch:
             raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
-        table = _as_host_int_tensor("block_table", block_table, (2,))
+        seq = host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
+        table = host_int_tensor("block_table", block_table, (2,))
         if seq.numel() == 0:
             raise IndexerInputError("seq_lens must name at least one request")
         if bool((seq < next_n).any()):
@@ -317,20 +322,23 @@ class DecodeBatch:
             width = table.shape[1] * PAGE_SIZE
         request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n)
         slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
-        state = _state_slots(state_slots, seq.shape[0])[request]
+        state = request_state_slots(state_slots, seq.shape[0])[request]
         return cls(keys.to(device, torch.int32).contiguous(), table.to(device, torch.int32).contiguous(),
                    positions.reshape(-1).to(device), slots.reshape(-1).to(device),
                    request.reshape(-1).to(device, torch.int32), width, next_n, compress_ratio,
                    compress_rows.to(device), state.reshape(-1).to(device), int(state.max()), max_page,
-                   _last_position(positions.reshape(-1), request.reshape(-1)))
+                   largest_position(positions.reshape(-1), request.reshape(-1)))
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillBatch:
     """Ragged prefill / extend: request b has prefix_lens[b] cached tokens and extend_lens[b] new ones.
 
     Keys of all requests are gathered request by request (``gather_slots``); query row i of request b sees
-    gathered keys ``[ks, ke)`` = its request's keys up to and including its own position.
+    gathered keys ``[ks, ke)`` = its request's keys up to and including its own position. Frozen, like
+    `DecodeBatch`: what the step derives from it once (chunk plans, the plain layout's request rows) is kept in its
+    step context (``context``), made with the batch, so a batch made from another (`dataclasses.replace`) starts
+    with none of the other's.
     """
 
     ks: torch.Tensor  # [T] int32
@@ -348,24 +356,25 @@ class PrefillBatch:
     max_page: int = -1  # the largest cache page the block table uses (host int)
     last_position: tuple[int, int] = (-1, -1)  # (largest token position, its request), host ints
     host_bounds: tuple[torch.Tensor, torch.Tensor] | None = None  # (ks, ke) on the host, for planning chunks
-    _plans: dict = None  # type: ignore[assignment]  # budget -> chunks, shared by every layer of the step
     # (first row of each request [B + 1], its tokens prefix + extend [B]) on the host: the ragged query metadata of
     # the plain-layout indexer (`request_rows`), sliced per chunk without a device read.
     host_requests: tuple[torch.Tensor, torch.Tensor] | None = None
-    _request_rows: dict = None  # type: ignore[assignment]  # (start, stop) -> device metadata, shared by layers
+    context: StepContext = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "context", StepContext())
 
     def request_rows(self, start: int = 0, stop: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cu_seqlens_q [B' + 1], seq_lens_k [B'], block_table [B', pages])`` on the device for rows
         ``[start, stop)``: the requests those rows belong to, their rows' offsets from ``start`` and each request's
         tokens up to its last row in the range (its rows are its last tokens there, so a causal kernel aligned at
-        the bottom right sees exactly the keys each row sees). Built from host metadata, cached per range."""
+        the bottom right sees exactly the keys each row sees). Built from host metadata once per range and step
+        (shared by every layer)."""
         stop = self.num_tokens if stop is None else stop
-        if self._request_rows is None:
-            self._request_rows = {}
-        cached = self._request_rows.get((start, stop))
-        if cached is not None:
-            return cached
+        return self.context.memo(("request_rows", start, stop), lambda: self._request_rows(start, stop))
+
+    def _request_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.host_requests is None:
             raise IndexerInputError("this PrefillBatch has no request metadata: build it with PrefillBatch.build")
         first_row, tokens = self.host_requests
@@ -375,10 +384,8 @@ class PrefillBatch:
         lens = tokens[first:last + 1].clone()
         lens[-1] -= int(first_row[last + 1]) - stop  # the last request's rows end at ``stop``
         device = self.ks.device
-        cached = (bounds.to(device, torch.int32), lens.to(device, torch.int32),
-                  self.block_table[first:last + 1].contiguous())
-        self._request_rows[(start, stop)] = cached
-        return cached
+        return (bounds.to(device, torch.int32), lens.to(device, torch.int32),
+                self.block_table[first:last + 1].contiguous())
 
     def plan_chunks(self, budget_bytes: int, row_bytes: int = 0, key_bytes: int = 4) -> list[tuple[int, int, int, int]]:
         """Row chunks ``(start, stop, lo, hi)`` whose scoring memory, ``key_bytes`` per (row, key) of the chunk's
@@ -387,21 +394,17 @@ class PrefillBatch:
         least one row each): each chunk is the longest run of rows from its start that fits, with ``lo = ks[start]``
         and ``hi = ke[stop - 1]``. From the host copies of ks / ke: no device sync, no per-row Python (a closed-form
         estimate and two reads per chunk; ks and ke never decrease along the rows, as `build` makes them). Computed
-        once per (budget, row bytes, key bytes) and shared by every layer."""
-        if self._plans is None:
-            self._plans = {}
-        plan = self._plans.get((budget_bytes, row_bytes, key_bytes))
-        if plan is not None:
-            return plan
+        once per (budget, row bytes, key bytes) and step, and shared by every layer."""
+        return self.context.memo(("chunks", budget_bytes, row_bytes, key_bytes),
+                                 lambda: self._plan_chunks(budget_bytes, row_bytes, key_bytes))
+
+    def _plan_chunks(self, budget_bytes, row_bytes, key_bytes) -> list[tuple[int, int, int, int]]:
         sizes = [_non_negative_int(name, value) for name, value in
                  (("budget_bytes", budget_bytes), ("row_bytes", row_bytes), ("key_bytes", key_bytes))]
-        if self.host_bounds is None:
-            self.host_bounds = (self.ks.cpu().long(), self.ke.cpu().long())
-        ks, ke = self.host_bounds
+        ks, ke = self.host_bounds if self.host_bounds is not None else self.context.memo(
+            "host_bounds", lambda: (self.ks.cpu().long(), self.ke.cpu().long()))
         ratio = self.compress_ratio if isinstance(self.compress_ratio, int) and self.compress_ratio >= 1 else 1
-        plan = _plan_row_chunks(ks, ke, *sizes, ratio)
-        self._plans[(budget_bytes, row_bytes, key_bytes)] = plan
-        return plan
+        return _plan_row_chunks(ks, ke, *sizes, ratio)
 
     @property
     def num_tokens(self) -> int:
@@ -414,9 +417,9 @@ class PrefillBatch:
         request order). ``state_slots[b]``: the `CompressorState` slot of request b (C4; default b)."""
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        prefix = _as_host_int_tensor("prefix_lens", prefix_lens, (1,), per_request=True)
-        extend = _as_host_int_tensor("extend_lens", extend_lens, (1,), per_request=True)
-        table = _as_host_int_tensor("block_table", block_table, (2,))
+        prefix = host_int_tensor("prefix_lens", prefix_lens, (1,), per_request=True)
+        extend = host_int_tensor("extend_lens", extend_lens, (1,), per_request=True)
+        table = host_int_tensor("block_table", block_table, (2,))
         if prefix.shape != extend.shape or prefix.numel() == 0:
             raise IndexerInputError(f"prefix_lens and extend_lens must be non-empty and of one length, got "
                                     f"{list(prefix.shape)} and {list(extend.shape)}")
@@ -424,7 +427,7 @@ class PrefillBatch:
             raise IndexerInputError("prefix_lens must be >= 0 and extend_lens >= 1 for every request")
         total = prefix + extend
         keys_total = total // compress_ratio
-        max_page = _check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        max_page = check_block_table(table, (keys_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
         check_page_sharing("block_table", table, keys_total, PAGE_SIZE, prefix // compress_ratio,
                            _key_unit(compress_ratio))
         ks, ke, pos, req, gather = [], [], [], [], []
@@ -442,10 +445,10 @@ class PrefillBatch:
         request = torch.cat(req)
         ks_t, ke_t = torch.cat(ks), torch.cat(ke)
         slots, compress_rows = _key_slots(table, request, positions, compress_ratio)
-        state = _state_slots(state_slots, prefix.shape[0])[request]
+        state = request_state_slots(state_slots, prefix.shape[0])[request]
         return cls(ks_t.to(device, torch.int32), ke_t.to(device, torch.int32), torch.cat(gather).to(device),
                    positions.to(device), slots.to(device), request.to(device, torch.int32),
                    table.to(device, torch.int32).contiguous(), int((ke_t - ks_t).max()), compress_ratio,
                    compress_rows.to(device), state.to(device), int(state.max()), max_page,
-                   _last_position(positions, request), (ks_t.long(), ke_t.long()),
+                   largest_position(positions, request), (ks_t.long(), ke_t.long()),
                    host_requests=(torch.cat([torch.zeros(1, dtype=torch.long), extend.cumsum(0)]), total.clone()))

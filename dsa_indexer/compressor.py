@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
 from .config import IndexerConfig
 from .contract.cache import IndexKCache
 from .contract.validate import IndexerInputError, device_argument, fits_in_memory, human_bytes
@@ -181,43 +180,44 @@ class Compressor(nn.Module):
         ring = torch.arange(first_position, first_position + x_tail.shape[0], device=state.device) % WINDOW
         state.window[slot, ring] = self.project(x_tail.to(state.device))
 
-    def step(self, x: torch.Tensor, step: CompressionStep, kv_cache, cos_sin: torch.Tensor,
-             fp8_dtype: torch.dtype, target=None) -> None:
+    def step(self, plan, x: torch.Tensor, step: CompressionStep, kv_cache) -> None:
         """Compress and store every entry this step's tokens complete, then roll the state forward: the fp32
-        projection GEMM, the `c4_compress_pool` op (window gather, softmax pooling, state update), and the
-        `k_prologue_store` op (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1).
-        ``kv_cache``: the fp8 page tensor, or a plain-layout `IndexKCache` (stored by `k_prologue_store_plain`)."""
+        projection GEMM, the `c4_compress_pool` kernel (window gather, softmax pooling, state update), and the
+        `k_prologue_store` kernel (RMSNorm, RoPE at 4j, Hadamard, fp8, store; rows without an entry have slot -1).
+        ``plan``: the step's `dsa_indexer.plan.StepPlan`, whose roles "c4_pool" and "c4_store" (or "c4_fp4_keys")
+        are those kernels, bound once for the layer. ``kv_cache``: the fp8 (or FP4) page tensor, or a plain-layout
+        `IndexKCache` (stored by `k_prologue_store_plain`)."""
         cfg = self.config
         if cfg.key_quant != "fp4_e2m1" and isinstance(kv_cache, torch.Tensor) and kv_cache.shape[-1] == 68:
             raise IndexerInputError(f"kv_cache is a paged64_fp4_e2m1 cache (68 bytes per token), which holds FP4 keys; "
                                     f"key_quant is {cfg.key_quant!r}: use key_quant='fp4_e2m1' or the fp8 cache "
                                     "(paged64_fp8_e4m3)")
         rows = step.compress_rows
-        pooled = ops.c4_compress_pool(self.project(x), step.state.window, self.ape, step.positions, step.row_request,
-                                      step.state_slot, rows, target=target)
+        cos_sin = plan.weights.cos_sin
+        pooled = plan.run("c4_pool", "c4_compress_pool", self.project(x), step.state.window, self.ape, step.positions,
+                          step.row_request, step.state_slot, rows)
         # RoPE at 4j = p - 3. A captured graph pools every row (rows = all); the rows that complete no entry have
         # slot -1 and store nothing, but their position must still index the table: clamp at 0.
         entry_positions = (step.positions[rows] - (RATIO - 1)).clamp_min(0)
         if cfg.key_quant == "fp4_e2m1":
-            self._store_fp4(pooled, entry_positions, step.entry_slots[rows], kv_cache, cos_sin, fp8_dtype, target)
+            self._store_fp4(plan, pooled, entry_positions, step.entry_slots[rows], kv_cache, cos_sin)
             return
         if isinstance(kv_cache, IndexKCache):
-            ops.k_prologue_store_plain(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
-                                       kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
-                                       key_format=kv_cache.key_format, rope_offset=cfg.rope_offset,
-                                       interleaved=cfg.rope_interleaved, norm="rmsnorm", target=target)
+            plan.run("c4_store", "k_prologue_store_plain", pooled, self.norm.weight, None, cfg.norm_eps,
+                     entry_positions, cos_sin, kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
+                     cfg.rope_offset, cfg.rope_interleaved, "rmsnorm", kv_cache.key_format)
             return
-        ops.k_prologue_store(pooled, self.norm.weight, None, cfg.norm_eps, entry_positions, cos_sin,
-                             kv_cache, step.entry_slots[rows], rope_offset=cfg.rope_offset,
-                             interleaved=cfg.rope_interleaved, ue8m0=cfg.ue8m0, fp8_dtype=fp8_dtype, norm="rmsnorm",
-                             target=target)
+        plan.run("c4_store", "k_prologue_store", pooled, self.norm.weight, None, cfg.norm_eps, entry_positions,
+                 cos_sin, kv_cache, step.entry_slots[rows], cfg.rope_offset, cfg.rope_interleaved, cfg.ue8m0,
+                 plan.fp8_dtype, "rmsnorm")
 
-    def _store_fp4(self, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
-                   cos_sin: torch.Tensor, fp8_dtype: torch.dtype, target) -> None:
+    def _store_fp4(self, plan, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
+                   cos_sin: torch.Tensor) -> None:
         """V4's FP4 keys (`dsa_indexer.fp4`): RMSNorm (bf16 out), then RoPE at 4j (bf16 out), Hadamard + e2m1 quant.
         Into the ``paged64_fp4_e2m1`` pages (68 bytes per token): the e2m1 codes and block scales as made
         (`fp4.key_fp4`, torch ops on any device: E = T / 4 rows of one head). Into the fp8 pages: folded into fp8
-        with one power-of-two scale (the `q_prologue_fp4` op with one "head"). Slot -1 stores nothing."""
+        with one power-of-two scale (the plan's "c4_fp4_keys" role: `q_prologue_fp4` with one "head"). Slot -1
+        stores nothing."""
         from . import fp4
         from .contract.cache import FP4_BLOCK, FP4_BYTES_PER_TOKEN, store_fp4_rows, store_rows
 
@@ -237,10 +237,9 @@ class Compressor(nn.Module):
             store_fp4_rows(kv_cache, slots, values, scales)
             return
         # The rest is V4's FP4 q recipe with one head and unit weights (RoPE rounded to bf16, Hadamard, e2m1, fold):
-        # the q_prologue_fp4 op (one Triton launch on GPUs) returns the fp8 keys and, as the weights, their row scales
-        # (1 * 1.0 * row_scale, exact).
+        # the q_prologue_fp4 kernel (one Triton launch on GPUs) returns the fp8 keys and, as the weights, their row
+        # scales (1 * 1.0 * row_scale, exact).
         unit = torch.ones(normed.shape[0], 1, dtype=torch.float32, device=normed.device)
-        keys, scales = ops.q_prologue_fp4(normed[:, None, :], entry_positions, cos_sin, unit, 1.0,
-                                          rope_offset=cfg.rope_offset, interleaved=cfg.rope_interleaved,
-                                          block=cfg.fp4_block, fp8_dtype=fp8_dtype, target=target)
+        keys, scales = plan.run("c4_fp4_keys", "q_prologue_fp4", normed[:, None, :], entry_positions, cos_sin, unit,
+                                1.0, cfg.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
         store_rows(kv_cache, slots, keys[:, 0], scales[:, 0])

@@ -15,16 +15,17 @@ bf16, the Hadamard's output rounded to bf16, then the FP4 quant (see `quant_fp4_
 The Hadamard is the radix-2 butterfly transform in a fixed order (`hadamard_butterfly`), so every device and kernel
 gets the same bits. q and the compressor's keys (after their RMSNorm, `normed_key`) go through the registry op
 `ops.q_prologue_fp4` (RoPE, Hadamard, quant, fold in one call: a Triton kernel on GPUs, bit-identical to its
-reference in `backends/reference/kernels.py`); the helpers here are the reference's torch tensor ops, for tests and
-callers that quantize rows themselves, on any device.
+reference in `backends/reference/kernels.py`); the helpers here are the shared recipe's torch tensor ops
+(`contract/recipe.py`, which the reference composes too), for tests and callers that quantize rows themselves, on
+any device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backends.reference.kernels import (apply_rope, dequant_fp4_e2m1, fold_fp4_to_fp8, hadamard_butterfly,
-                                         quant_fp4_e2m1, rmsnorm, rotate_quant_fp4)
+from .contract.recipe import (apply_rope, dequant_fp4_e2m1, fold_fp4_to_fp8, hadamard_butterfly, quant_fp4_e2m1,
+                              rmsnorm, rotate_quant_fp4)
 from .contract.cache import pack_e2m1, ue8m0_bytes, unpack_e2m1, ue8m0_values
 
 __all__ = ["rotate_quant_fp4", "hadamard_butterfly", "fp4_values", "quant_fp4_e2m1", "dequant_fp4_e2m1",

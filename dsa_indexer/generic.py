@@ -1,9 +1,10 @@
-"""Generic strategies: compositions that run on every target by calling the ops through the registry.
+"""Generic compositions that run on every target by calling the ops through the registry.
 
-They are not kernels, so they live beside the pipeline rather than in a backend: the single-stream pipeline
-strategy (`pipeline.single_stream`) and the composed lightning indexers (paged or ragged logits, then top-k, each
-resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend fuses them). They
-register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends` in pyproject.toml).
+They are not kernels, so they live beside the pipeline rather than in a backend (the single-stream pipeline
+strategies register from `pipeline.py` itself): the composed lightning indexers (paged or ragged logits, then
+top-k, each resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend
+fuses them). They register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends`
+in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import torch
 
 from . import ops
 from .contract.cache import decode_row_requests
+from .contract.step import STEP_CONTEXT_INFO, StepContext, takes_step_context
+from .dispatch.bind import bind
 from .dispatch.plugins import hookimpl
 from .dispatch.registry import Registry
 from .dispatch.target import Target
 from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
-from .pipeline import register_single_stream, register_x_projections_torch
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
 # The prefill composition outranks the Triton fused ragged top-k (1): it measured faster on the H200 at every size
@@ -25,38 +27,45 @@ RAGGED_COMPOSED_PRIORITY = 2
 
 
 class InnerOps:
-    """A composition's inner op calls, each resolved once per (registry state, target, problem facts) and then
-    called directly: the warm path computes the facts (one generated function), makes one dict lookup, and hashes
-    no `Target` or `Problem`. The entry keeps its target alive, so the key's ``id(target)`` stays that object's."""
+    """A composition's inner op calls, each bound once per (registry state, target, problem facts) (`dispatch.bind`)
+    and then called directly: the warm path computes the facts (one generated function), makes one dict lookup, and
+    hashes no `Target` or `Problem`. The entry keeps its target alive, so the key's ``id(target)`` stays that
+    object's. ``context``: the step's (`contract.step.StepContext`), handed to an inner kernel that takes it."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._memo: dict[tuple, tuple] = {}
 
-    def call(self, op: str, target: Target, *args):
+    def call(self, op: str, target: Target, *args, context: StepContext | None = None):
         declared = ops.OPERATORS[op]
         key = (self.registry.generation, id(target), op, declared.facts(*args))
         entry = self._memo.get(key)
         if entry is None:
             if len(self._memo) >= 256:  # stale generations are never asked for again
                 self._memo.clear()
-            entry = self._memo[key] = (target, self.registry.function(op, target, declared.problem(*args)))
+            bound = bind(op, target, declared.problem(*args), self.registry)
+            entry = self._memo[key] = (target, bound.fn, takes_step_context(bound.info))
+        if context is not None and entry[2]:
+            return entry[1](*args, context=context)
         return entry[1](*args)
 
 
 def make_lightning_indexer_composed(inner: InnerOps):
     def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                                    context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                                   k: int, return_slots: bool = False, *, target: Target) -> torch.Tensor:
+                                   k: int, return_slots: bool = False, *, target: Target,
+                                   context: StepContext | None = None) -> torch.Tensor:
         """``topk_indices(paged_mqa_logits(...))``, each resolved for ``target`` (the one the outer call was
-        resolved for); the arguments were checked by the outer op or the Indexer."""
+        resolved for); the arguments were checked by the outer op or the Indexer. ``context``: the step's, handed
+        to the logits (DeepGEMM's schedule, once per step) and giving the row map."""
         logits = inner.call("paged_mqa_logits", target, q, kv_cache, weights, context_lens, block_table,
-                            max_context_len)
+                            max_context_len, context=context)
         ends = context_lens.reshape(-1)
         if not return_slots:
             return inner.call("topk_indices", target, logits, k, ends, None, None, None)
-        return inner.call("topk_indices", target, logits, k, ends, None, block_table,
-                          decode_row_requests(q.shape[0], q.shape[1], q.device))
+        rows = (decode_row_requests(q.shape[0], q.shape[1], q.device) if context is None
+                else context.row_requests(q.shape[0], q.shape[1], q.device))
+        return inner.call("topk_indices", target, logits, k, ends, None, block_table, rows)
 
     return lightning_indexer_composed
 
@@ -92,7 +101,5 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True,
+                            takes_target=True, info={STEP_CONTEXT_INFO: True},
                             verified=COMPOSED_VERIFIED)(lambda: make_lightning_indexer_composed(inner))
-    register_single_stream(registry)
-    register_x_projections_torch(registry)

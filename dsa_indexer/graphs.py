@@ -33,12 +33,14 @@ The returned tensor is the graph's static output: the next replay overwrites it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from . import ops
+from .dispatch.bind import Bound, bind
+from .dispatch.target import Target, detect_target
 from .batch import DecodeBatch, check_decode_pages
 from .contract.cache import PAGE_SIZE, IndexKCache
 from .config import IndexerConfig
@@ -66,6 +68,8 @@ class DecodeBuffers:
     compress_ratio: int
     max_position: int
     num_cache_pages: int | None = None  # pages of the graph's cache, for the block-table check of `load`
+    # `decode_metadata` bound for the buffers' target and problem (bound again when the registry changes).
+    _metadata: Bound | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def allocate(cls, indexer, batch_size: int, max_context_len: int, next_n: int,
@@ -99,8 +103,17 @@ class DecodeBuffers:
 
         Same values as `DecodeBatch.build` for valid requests; rows with a negative position are padding."""
         n, ratio = self.next_n, self.compress_ratio
-        context_lens, positions, slots, state_slot = ops.decode_metadata(
-            self.seq_lens, self.block_table, self.state_slots, next_n=n, compress_ratio=ratio, target=target)
+        declared = ops.OPERATORS["decode_metadata"]
+        # The op's checks (they read values on CPU tensors only, or with DSA_INDEXER_CHECK_RANGES=1), then its kernel,
+        # bound once for these buffers: no registry call per step.
+        args = declared.arguments(self.seq_lens, self.block_table, self.state_slots, next_n=n, compress_ratio=ratio,
+                                  target=target)
+        bound = self._metadata
+        if bound is None or not bound.current or (target is not None and bound.target != target):
+            problem = declared.problem(*args)
+            resolved = detect_target(self.seq_lens.device, target) if not isinstance(target, Target) else target
+            bound = self._metadata = bind("decode_metadata", resolved, problem)
+        context_lens, positions, slots, state_slot = bound.fn(*args)
         if ratio == 1:
             return DecodeBatch(context_lens, self.block_table, positions, slots, self.row_request,
                                self.max_context_len, n, ratio)

@@ -24,12 +24,15 @@ from .compressor import CompressionStep, Compressor, CompressorState
 from .config import IndexerConfig, read_json_object
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
+from .dispatch.bind import Bound, bind
 from .dispatch.registry import Registry, Resolution
 from .dispatch.target import Target, detect_target
 from .contract.specs import PIPELINE_OP
 from .pipeline import STEPS, k_path, k_path_plain
-from .plan import LayerWeights, StepPlan
+from .plan import (LayerWeights, Role, StepPlan, gemm_role, q_and_k_roles, quant_role, role_problem,
+                   scoring_role)
 from .contract.quant import Fp8GroupLayout, QuantizedActivation
+from .contract.step import StepContext
 from .rope import shared_cos_sin_table
 from .contract.validate import (IndexerInputError, boolean as check_bool, device_argument as check_device,
                                 fits_in_memory, ranges_checked as check_values, tensor as check_tensor,
@@ -171,6 +174,13 @@ def _version_of(t: torch.Tensor) -> int:
 
 
 FP4_PREFILL_KEYS = ("auto", "packed", "folded")  # `Indexer.fp4_prefill_keys`
+
+
+def _into(context: StepContext, out: torch.Tensor) -> torch.Tensor:
+    """The step's result in the caller's buffer when the context holds one (``topk_out``), else as made."""
+    if context.topk_out is None or out is context.topk_out:
+        return out
+    return context.topk_out.copy_(out)
 
 
 class Indexer(nn.Module):
@@ -574,15 +584,11 @@ class Indexer(nn.Module):
             self._target = (device, detect_target(device, self._target_override))
         return self._target[1]
 
-    def _gemm_layout(self, weight: torch.Tensor, out_dtype: torch.dtype, scale_fmt: str = "fp32") -> Fp8GroupLayout:
+    def _gemm_layout(self, info) -> Fp8GroupLayout:
         """The activation layout this indexer quantizes a GEMM input to, and what a reusable q_lora_quant must match:
-        the resolved block-fp8 GEMM's layout (group size, scale order, fp8 flavour) with the recipe's scale format
-        (``config.scale_fmt``: power-of-two scales for "ue8m0"). ``weight``: the GEMM's fp8 weight; ``scale_fmt``:
-        the GEMM's fact (`gemm_scale_fmt`)."""
-        problem = ops.gemm_problem(weight, out_dtype, scale_fmt)  # the problem the GEMM op will build
-        res = default_registry().resolve("gemm_fp8_blockscale", self.target, problem)
-        layout = res.chosen.info.get("input_layout") if res.chosen is not None else None
-        layout = layout or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
+        the bound block-fp8 GEMM's layout (its ``info["input_layout"]``: group size, scale order, fp8 flavour) with
+        the recipe's scale format (``config.scale_fmt``: power-of-two scales for "ue8m0")."""
+        layout = info.get("input_layout") or Fp8GroupLayout(fp8_dtype=self.fp8_dtype)
         if layout.fp8_dtype is None:  # "the target's flavour"
             layout = dataclasses.replace(layout, fp8_dtype=self.fp8_dtype)
         # The scale format is the model's recipe, not the kernel's: every GEMM here takes fp32 scales, and
@@ -613,11 +619,13 @@ class Indexer(nn.Module):
         return tuple((p.data_ptr(), _version_of(p)) if p is not None else None for p in parts)
 
     def step_plan(self, tokens: int, decode: bool, *, has_quant: bool = False, cache_layout: str = LAYOUT_PAGED64,
-                  next_n: int = 1, dtype: torch.dtype | None = None) -> StepPlan:
-        """The plan of a step of ``tokens`` rows (`dsa_indexer.plan`): the pipeline strategy resolved for this
-        problem class, the weights in the forms the step reads, the GEMM layouts, and the ops' implementations
-        (resolved on first use). Built once and kept while the weights, the target, the registry's resolutions and
-        the knobs (``fuse_x_projections``, ``allow_unrounded_q_lora_quant``) stay as they were."""
+                  next_n: int = 1, dtype: torch.dtype | None = None, logits_pages: int | None = None) -> StepPlan:
+        """The plan of a step of ``tokens`` rows (`dsa_indexer.plan`): every kernel the step runs, bound for this
+        problem class (role -> `Bound`), the weights in the forms the step reads and the GEMM layouts.
+        ``logits_pages``: a plan for the decode-logits seam (`decode_logits`), whose paged logits take the cache's
+        page count as a fact. Built once and kept while the weights, the target, the registry's resolutions and
+        the knobs (``fuse_x_projections``, ``allow_unrounded_q_lora_quant``, ``fp4_prefill_keys``) stay as they
+        were."""
         registry = self._registry
         if registry is None:  # the process-wide registry is created once and never replaced: keep it
             registry = self._registry = default_registry()
@@ -626,21 +634,25 @@ class Indexer(nn.Module):
         # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
         key = (id(registry), registry.generation, id(target), bucket, decode, has_quant, cache_layout, next_n,
                dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key(),
-               self._scale_fmt_epoch, self.fp4_prefill_keys)
+               self._scale_fmt_epoch, self.fp4_prefill_keys, logits_pages)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # stale keys (old weights, old generations) are never asked for again
                 self._plans.clear()
             problem = Problem(tokens=bucket, decode=decode, q_lora_quant=has_quant, cache=cache_layout)
-            plan = self._plans[key] = self._build_plan(registry, problem, cache_layout, dtype or self.dtype)
+            plan = self._plans[key] = self._build_plan(registry, problem, cache_layout, dtype or self.dtype, next_n,
+                                                       logits_pages)
         return plan
 
-    def _build_plan(self, registry, problem: Problem, cache_layout: str, dtype: torch.dtype) -> StepPlan:
+    def _build_plan(self, registry, problem: Problem, cache_layout: str, dtype: torch.dtype, next_n: int = 1,
+                    logits_pages: int | None = None) -> StepPlan:
+        """Bind every role of the step (`dsa_indexer.plan`), each for a problem made from the facts given here."""
         cfg, target = self.config, self.target
-        strategy = registry.function(PIPELINE_OP, target, problem)
-        resolution = registry.used.get((PIPELINE_OP, target, problem)) or registry.choose(PIPELINE_OP, target, problem)
+        decode = problem["decode"]
+        strategy = bind(PIPELINE_OP, target, problem, registry)
         wq_b_fp8, wk_fp8 = self.wq_b_is_block_fp8, self.wk_is_block_fp8
-        prefill_keys = self.prefill_key_format(cache_layout, registry) if not problem["decode"] else "fp8"
+        fp8 = ops.fp8_name(self.fp8_dtype)
+        plain_format = PLAIN_LAYOUT_FORMATS.get(cache_layout)
         # The GEMMs' scale_fmt facts from what weight load recorded: no value is read here (a capture may build it).
         wq_b_fmt = self.gemm_scale_fmt("wq_b") if wq_b_fp8 else "fp32"
         wk_fmt = self.gemm_scale_fmt("wk") if wk_fp8 else "fp32"
@@ -653,23 +665,47 @@ class Indexer(nn.Module):
             k_norm_weight=self.k_norm.weight if self.k_norm is not None else None,
             k_norm_bias=self.k_norm.bias if self.k_norm is not None else None,
             cos_sin=self.cos_sin,
-            wq_b_activation=self.activation_wq_b() if cache_layout in PLAIN_LAYOUT_FORMATS else None,
+            wq_b_activation=self.activation_wq_b() if plain_format is not None else None,
             compressor=self.compressor)
+        kernels: dict[str, Bound] = {"pipeline": strategy}
+        reasons = {"pipeline": f"the step's schedule ({'decode' if decode else 'prefill'}, a {problem['tokens']}-token "
+                               f"bucket, {cache_layout})"}
+        roles: dict[str, Role] = {}
+        layouts: dict[str, Fp8GroupLayout | None] = {"wq_b": None, "wk": None}
+        # The fp8 GEMMs first: the quant that feeds each is bound for the input layout its GEMM's info names. A
+        # plain layout runs wq_b in the activation dtype (`LayerWeights.wq_b_activation`).
+        gemms = (("wq_b", wq_b_fp8 and plain_format is None, "q_lora_quant", cfg.q_lora_rank, wq_b_fmt),
+                 ("wk", wk_fp8, "x_quant", cfg.hidden_size, wk_fmt))
+        for name, used, quant, width, fmt in gemms:
+            if not used:
+                continue
+            role = gemm_role(getattr(self, name).weight, dtype, fmt, f"{name}: a block-fp8 weight ({fmt} scales)")
+            gemm = kernels[f"{name}_gemm"] = bind(role.op, target, role.problem, registry)
+            reasons[f"{name}_gemm"] = role.why
+            layout = layouts[name] = self._gemm_layout(gemm.info)
+            roles[quant] = quant_role(layout, width, f"{name}_gemm's input, in the layout it takes")
+        roles.update(q_and_k_roles(cfg, fp8, cache_layout, plain_format, weights, self.fuse_x_projections, wk_fp8))
+        prefill_keys = "fp8" if decode else self._prefill_keys(cache_layout, registry)
+        scoring, role = scoring_role(cfg, fp8, decode, next_n, cache_layout, plain_format, prefill_keys, logits_pages)
+        roles[scoring] = role
+        for name, role in roles.items():
+            kernels[name] = bind(role.op, target, role.problem, registry)
+            reasons[name] = role.why
+        scoring_bytes = self._scoring_bytes(kernels["score"].info) if not decode and logits_pages is None else None
         return StepPlan(
             config=cfg, target=target, fp8_dtype=self.fp8_dtype, weights=weights, problem=problem,
-            pipeline=resolution, strategy=strategy, steps=STEPS, registry=registry,
-            fuse_x_projections=self.fuse_x_projections,
-            wq_b_layout=self._gemm_layout(self.wq_b.weight, dtype, wq_b_fmt) if wq_b_fp8 else None,
-            wk_layout=self._gemm_layout(self.wk.weight, dtype, wk_fmt) if wk_fp8 else None,
+            pipeline=strategy.resolution, strategy=strategy.fn, steps=STEPS, registry=registry,
+            fuse_x_projections=self.fuse_x_projections, kernels=kernels,
+            wq_b_layout=layouts["wq_b"], wk_layout=layouts["wk"],
             wq_b_scale_fmt=wq_b_fmt, wk_scale_fmt=wk_fmt,
             reuse_unrounded=self.reuses_unrounded_quant(), reuse_stats=self.reuse_stats,
             weight_scale=cfg.weight_scale, rope_offset=cfg.rope_offset,
-            prefill_keys=prefill_keys,
-            scoring_bytes=self.scoring_plan_bytes(prefill_keys) if not problem["decode"] else None)
+            prefill_keys=prefill_keys, scoring_bytes=scoring_bytes, reasons=reasons)
 
-    def prefill_key_format(self, cache_layout: str, registry: Registry | None = None) -> str:
+    def _prefill_keys(self, cache_layout: str, registry: Registry) -> str:
         """The ``keys`` fact of prefill's ragged scoring over a ``cache_layout`` cache: "fp4" (the FP4 pages' keys
-        as stored) or "fp8" (gathered fp8 rows: the fp8 pages, or the FP4 ones folded), per ``fp4_prefill_keys``."""
+        as stored) or "fp8" (gathered fp8 rows: the fp8 pages, or the FP4 ones folded), per ``fp4_prefill_keys``;
+        "auto" reads ``native_fp4`` from the info of the FP4 ragged logits resolved for the target."""
         knob = self.fp4_prefill_keys
         if knob not in FP4_PREFILL_KEYS:
             raise IndexerInputError(f"fp4_prefill_keys must be one of {', '.join(map(repr, FP4_PREFILL_KEYS))}, got "
@@ -679,10 +715,42 @@ class Indexer(nn.Module):
         if knob == "packed":
             return "fp4"
         cfg = self.config
-        problem = ops.problem("ragged_mqa_logits", heads=cfg.n_heads, dim=cfg.head_dim,
-                              fp8=ops.fp8_name(self.fp8_dtype), keys="fp4")
-        chosen = (registry or default_registry()).resolve("ragged_mqa_logits", self.target, problem).chosen
+        problem = role_problem("ragged_mqa_logits", heads=cfg.n_heads, dim=cfg.head_dim,
+                               fp8=ops.fp8_name(self.fp8_dtype), keys="fp4")
+        # A fact read, not a call: the pure resolution (no factory is built for it; a strict target refusing the
+        # reference still gets its answer: the fold).
+        chosen = registry.resolve("ragged_mqa_logits", self.target, problem).chosen
         return "fp4" if chosen is not None and chosen.info.get("native_fp4") else "fp8"
+
+    def prefill_key_format(self, cache_layout: str, registry: Registry | None = None) -> str:
+        """The ``keys`` fact the prefill plan of a ``cache_layout`` cache scores with (`_prefill_keys`)."""
+        return self._prefill_keys(cache_layout, registry or default_registry())
+
+    def _scoring_bytes(self, info) -> tuple[int, int]:
+        """(bytes per row, bytes per (row, key)) a prefill chunk holds: the q path's intermediates per row, plus what
+        the bound ``ragged_mqa_topk`` declares in its ``info`` (``plan_row_bytes(topk)`` / ``plan_key_bytes``); by
+        default its fp32 logits, 4 B per key."""
+        row_bytes = info.get("plan_row_bytes")
+        extra = int(row_bytes(self.config.topk)) if callable(row_bytes) else int(row_bytes or 0)
+        return self.q_path_bytes_per_row() + extra, int(info.get("plan_key_bytes", 4))
+
+    def explain_step(self, tokens: int = 1, decode: bool = True, *, has_quant: bool = False,
+                     cache_layout: str | None = None, next_n: int = 1, dtype: torch.dtype | None = None) -> str:
+        """What a step of this problem class runs, as one table: role -> op -> implementation -> why, read from the
+        plan `step_plan` builds for it (building it binds; nothing runs). ``cache_layout``: default, the one
+        `allocate_cache` makes for this target."""
+        if cache_layout is None:
+            from .dispatch.platform import platform_of
+
+            cache_layout = platform_of(self.target.vendor).cache_layout(self.config.compress_ratio)
+        plan = self.step_plan(tokens, decode, has_quant=has_quant, cache_layout=cache_layout, next_n=next_n,
+                              dtype=dtype)
+        rows = [("role", "op", "implementation", "why")] + plan.explain()
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        head = (f"{self.config.name} on {self.target}: a {'decode' if decode else 'prefill'} step of {tokens} "
+                f"token(s){f', next_n {next_n}' if decode else ''}, {cache_layout} cache")
+        return "\n".join([head] + ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3]
+                                   for row in rows])
 
     # --- the step -----------------------------------------------------------------------------------------
     def check_inputs(self, x, q_lora, positions, batch, cache, q_lora_quant) -> int:
@@ -793,8 +861,13 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor,
                 batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                 q_lora_quant: QuantizedActivation | None = None,
-                compressor_state: CompressorState | None = None) -> torch.Tensor:
+                compressor_state: CompressorState | None = None, context: StepContext | None = None
+                ) -> torch.Tensor:
+        """One step (see the class docstring). ``context``: the step's `StepContext` (default: the batch's own,
+        shared by every layer that runs the batch); an engine passes its own to hand in a caller-owned output
+        buffer (``topk_out``, returned filled), a side stream, or scratch it computed itself."""
         self.check_inputs(x, q_lora, positions, batch, cache, q_lora_quant)
+        context = self._step_context(context, batch, x)
         decode = isinstance(batch, DecodeBatch)
         plan = self.step_plan(x.shape[0], decode, has_quant=q_lora_quant is not None, cache_layout=cache.layout,
                               next_n=batch.next_n if decode else 1, dtype=x.dtype)
@@ -805,28 +878,36 @@ class Indexer(nn.Module):
             chunks = batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
             if len(chunks) > 1:  # the whole batch does not fit the budget: keys first, then q + scoring per chunk
                 self._store_all_keys(plan, x, positions, key_store, cache, chunks)
-                return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks)
+                return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks, context)
         if cache.is_plain:  # one fused `lightning_indexer_ragged` over the batch's rows, decode and prefill alike
-            q, q_scales, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache, q_lora_quant)
-            return self._score_plain(plan, q, q_scales, weights, batch.request_rows(), cache)
-        q_fp8, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache.data, q_lora_quant)
+            q, q_scales, weights = plan.schedule(context, x, q_lora, positions, key_store, cache, q_lora_quant)
+            return _into(context, self._score_plain(plan, q, q_scales, weights, batch.request_rows(), cache, context))
+        q_fp8, weights = plan.schedule(context, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         if decode:
-            return self._score_decode(plan, q_fp8, weights, batch, cache)
-        return self._score_planned(plan, batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]))
+            return _into(context, self._score_decode(plan, q_fp8, weights, batch, cache, context))
+        return self._score_planned(plan, batch, cache, lambda start, stop: (q_fp8[start:stop], weights[start:stop]),
+                                   context=context)
+
+    def _step_context(self, context: StepContext | None, batch, x: torch.Tensor) -> StepContext:
+        """The caller's context, checked, else the batch's."""
+        if context is None:
+            return batch.context
+        if not isinstance(context, StepContext):
+            raise IndexerInputError(f"context must be a StepContext (dsa_indexer.StepContext), got "
+                                    f"{type(context).__name__}")
+        if context.topk_out is not None:
+            check_tensor("context.topk_out", context.topk_out, dtype=torch.int32,
+                         shape=(batch.num_tokens, self.config.topk), device=x.device)
+        return context
 
     def scoring_plan_bytes(self, keys: str = "fp8") -> tuple[int, int]:
         """(bytes per row, bytes per (row, key)) that a prefill chunk holds, for `PrefillBatch.plan_chunks`: the q
-        path's intermediates per row, plus what the resolved ``ragged_mqa_topk`` (for ``keys``, the gathered keys'
-        format) declares (registry info ``plan_row_bytes(topk)`` / ``plan_key_bytes``); by default its fp32
-        logits, 4 B per key."""
+        path's intermediates per row plus what the ``ragged_mqa_topk`` bound for ``keys`` (the gathered keys'
+        format) declares (`_scoring_bytes`); a prefill plan reads the same from its "score" role."""
         cfg = self.config
-        problem = ops.problem("ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim,
-                              fp8=ops.fp8_name(self.fp8_dtype), k=cfg.topk, keys=keys)
-        res = default_registry().resolve("ragged_mqa_topk", self.target, problem)
-        info = res.chosen.info if res.chosen is not None else {}
-        row_bytes = info.get("plan_row_bytes")
-        extra = int(row_bytes(cfg.topk)) if callable(row_bytes) else int(row_bytes or 0)
-        return self.q_path_bytes_per_row() + extra, int(info.get("plan_key_bytes", 4))
+        problem = role_problem("ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim,
+                               fp8=ops.fp8_name(self.fp8_dtype), k=cfg.topk, keys=keys)
+        return self._scoring_bytes(bind("ragged_mqa_topk", self.target, problem).info)
 
     def q_path_bytes_per_row(self) -> int:
         """Peak bytes the q path holds per token: wq_b's bf16 output, fp32 prologue temporaries, the fp8 q, the head
@@ -853,14 +934,15 @@ class Indexer(nn.Module):
             block = key_store.rows(start, stop) if self.compressor is not None else key_store[start:stop]
             self._store(plan, x[start:stop], positions[start:stop], block, cache)
 
-    def score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant
-                   ) -> torch.Tensor:
+    def score_rows(self, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache, q_lora_quant,
+                   context: StepContext | None = None) -> torch.Tensor:
         """q path, logits and top-k of ``batch``'s rows, chunk by planned chunk, over keys already in the cache (a
         public seam: context-parallel prefill scores its own rows with it)."""
         plan = self.step_plan(batch.num_tokens, False, has_quant=q_lora_quant is not None,
                               cache_layout=cache.layout, dtype=x.dtype)
         chunks = batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes)
-        return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks)
+        return self._score_rows(plan, x, q_lora, positions, batch, cache, q_lora_quant, chunks,
+                                self._step_context(context, batch, x))
 
     def decode_logits(self, x, q_lora, positions, batch: DecodeBatch, cache: IndexKCache, *,
                       q_lora_quant: QuantizedActivation | None = None,
@@ -875,16 +957,17 @@ class Indexer(nn.Module):
             raise IndexerInputError(f"decode_logits reads the fp8 paged cache; a {cache.layout} cache (the NPU's plain "
                                     "layout) is scored by the fused lightning_indexer_ragged only: call the indexer")
         plan = self.step_plan(x.shape[0], True, has_quant=q_lora_quant is not None, cache_layout=cache.layout,
-                              next_n=batch.next_n, dtype=x.dtype)
+                              next_n=batch.next_n, dtype=x.dtype, logits_pages=cache.num_pages)
         key_store = (batch.slot_mapping if self.compressor is None
                      else self.compression_step(batch, compressor_state))
-        q_fp8, weights = plan.strategy(plan, x, q_lora, positions, key_store, cache.data, q_lora_quant)
+        context = batch.context
+        q_fp8, weights = plan.schedule(context, x, q_lora, positions, key_store, cache.data, q_lora_quant)
         q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
         return plan.run("logits", "paged_mqa_logits", q, cache.data, weights, batch.context_lens, batch.block_table,
-                        batch.max_context_len)
+                        batch.max_context_len, context=context)
 
     def _score_rows(self, plan: StepPlan, x, q_lora, positions, batch: PrefillBatch, cache: IndexKCache,
-                    q_lora_quant, chunks) -> torch.Tensor:
+                    q_lora_quant, chunks, context: StepContext) -> torch.Tensor:
         """Bounded scoring: per planned chunk of rows, the q path of the chunk, then its logits and top-k (for a plain
         layout, the fused indexer over the chunk's rows), so no intermediate grows with the batch beyond the budget
         (the int32 [T, topk] output aside)."""
@@ -896,18 +979,21 @@ class Indexer(nn.Module):
             return plan.steps.q_path(plan, x[start:stop], q_lora[start:stop], positions[start:stop], quant)
 
         if cache.is_plain:
-            out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
+            out = context.topk_out
+            if out is None:
+                out = torch.empty(batch.num_tokens, self.config.topk, dtype=torch.int32, device=x.device)
             for start, stop, _, _ in chunks:
                 q, q_scales, weights = q_of(start, stop)
-                out[start:stop] = self._score_plain(plan, q, q_scales, weights, batch.request_rows(start, stop), cache)
+                out[start:stop] = self._score_plain(plan, q, q_scales, weights, batch.request_rows(start, stop), cache,
+                                                    context)
             return out
-        return self._score_planned(plan, batch, cache, q_of, chunks)
+        return self._score_planned(plan, batch, cache, q_of, chunks, context)
 
-    def _score_plain(self, plan: StepPlan, q, q_scales, weights, request_rows, cache: IndexKCache) -> torch.Tensor:
+    def _score_plain(self, plan: StepPlan, q, q_scales, weights, request_rows, cache: IndexKCache,
+                     context: StepContext) -> torch.Tensor:
         cu, seq_lens, block_table = request_rows
-        return plan.run("score", "lightning_indexer_ragged", q.contiguous(), q_scales, cache.data,
-                        cache.scales_or_empty(), weights.contiguous(), cu, seq_lens, block_table, self.config.topk,
-                        self.config.compress_ratio)
+        return plan.run("score", "lightning_indexer_ragged", q.contiguous(), q_scales, cache.data, cache.scales_or_empty(), weights.contiguous(),
+                        cu, seq_lens, block_table, self.config.topk, self.config.compress_ratio, context=context)
 
     def store_keys(self, x: torch.Tensor, batch: DecodeBatch | PrefillBatch, cache: IndexKCache, *,
                    compressor_state: CompressorState | None = None) -> None:
@@ -932,30 +1018,34 @@ class Indexer(nn.Module):
         idx = torch.arange(k, device=counts.device, dtype=torch.int32)
         return torch.where(idx[None, :] < counts[:, None], idx[None, :], torch.full_like(idx, -1)[None, :])
 
-    def _score_decode(self, plan: StepPlan, q_fp8, weights, batch: DecodeBatch, cache: IndexKCache) -> torch.Tensor:
+    def _score_decode(self, plan: StepPlan, q_fp8, weights, batch: DecodeBatch, cache: IndexKCache,
+                      context: StepContext) -> torch.Tensor:
         k = self.config.topk
         if batch.max_context_len <= k:
             return self._all_visible(batch.context_lens.reshape(-1))
         q = q_fp8.view(batch.batch_size, batch.next_n, self.config.n_heads, self.config.head_dim)
-        return plan.run("score", "lightning_indexer", q, cache.data, weights, batch.context_lens, batch.block_table,
-                        batch.max_context_len, k, False)
+        return plan.run("score", "lightning_indexer", q, cache.data, weights, batch.context_lens, batch.block_table, batch.max_context_len,
+                        k, False, context=context)
 
-    def _score_planned(self, plan: StepPlan, batch: PrefillBatch, cache: IndexKCache, q_of, chunks=None
-                       ) -> torch.Tensor:
+    def _score_planned(self, plan: StepPlan, batch: PrefillBatch, cache: IndexKCache, q_of, chunks=None,
+                       context: StepContext | None = None) -> torch.Tensor:
         """Prefill scoring over the batch's planned chunks; ``q_of(start, stop)`` gives the chunk's (q_fp8, weights),
         already computed (one-pass prefill) or computed per chunk (bounded and context-parallel prefill). Each
         chunk runs `ragged_mqa_topk` over the gathered keys (a fused kernel where one serves, else the two ops)."""
         k = self.config.topk
+        context = context if context is not None else batch.context
         if batch.max_keys_per_row <= k:
-            return self._all_visible(batch.ke - batch.ks)
+            return _into(context, self._all_visible(batch.ke - batch.ks))
         gather = cache.gather_packed if plan.prefill_keys == "fp4" else cache.gather
         keys, key_scales = gather(batch.gather_slots)
-        out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
+        out = context.topk_out
+        if out is None:
+            out = torch.empty(batch.num_tokens, k, dtype=torch.int32, device=batch.ks.device)
         for start, stop, lo, hi in chunks or batch.plan_chunks(self.logits_budget_bytes, *plan.scoring_bytes):
             q_fp8, weights = q_of(start, stop)
             ks, ke = batch.ks[start:stop] - lo, batch.ke[start:stop] - lo
-            out[start:stop] = plan.run("score", "ragged_mqa_topk", q_fp8, keys[lo:hi], key_scales[lo:hi], weights,
-                                       ks, ke, k)
+            out[start:stop] = plan.run("score", "ragged_mqa_topk", q_fp8, keys[lo:hi], key_scales[lo:hi], weights, ks, ke, k,
+                                       context=context)
         return out
 
     # --- CUDA-graph decode (dsa_indexer.graphs) ------------------------------------------------------------

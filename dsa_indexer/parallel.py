@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .batch import (DecodeBatch, PrefillBatch, _as_host_int_tensor, _check_block_table, _last_position,
-                    _state_slots)
+from .batch import (DecodeBatch, PrefillBatch, host_int_tensor, check_block_table, largest_position,
+                    request_state_slots)
 from .contract.cache import PAGE_SIZE, IndexKCache, gather_rows, page_views
 from .contract.validate import IndexerInputError, check_page_sharing, ranges_checked as check_values
 
@@ -116,8 +116,7 @@ def _rows_batch(batch: PrefillBatch, rows: torch.Tensor) -> PrefillBatch:
     host = (batch.host_bounds[0][rows_host], batch.host_bounds[1][rows_host]) if batch.host_bounds else None
     return dataclasses.replace(batch, ks=ks, ke=ke, positions=batch.positions[rows],
                                slot_mapping=batch.slot_mapping[rows], row_request=batch.row_request[rows],
-                               max_keys_per_row=int((ke - ks).max()) if rows.numel() else 0, host_bounds=host,
-                               _plans=None)
+                               max_keys_per_row=int((ke - ks).max()) if rows.numel() else 0, host_bounds=host)
 
 
 # --- Decode context parallelism: the k cache sharded over the ranks, an exact merge of the shards' top-k ---------
@@ -199,8 +198,8 @@ class ShardedDecodeBatch:
             raise IndexerInputError(f"next_n must be an int >= 1, got {next_n!r}")
         if compress_ratio not in (1, 4):
             raise IndexerInputError(f"compress_ratio must be 1 or 4, got {compress_ratio}")
-        seq = _as_host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
-        table = _as_host_int_tensor("block_table", block_table, (2,))
+        seq = host_int_tensor("seq_lens", seq_lens, (1,), per_request=True)
+        table = host_int_tensor("block_table", block_table, (2,))
         if seq.numel() == 0:
             raise IndexerInputError("seq_lens must name at least one request")
         if table.shape[0] != seq.shape[0]:
@@ -210,7 +209,7 @@ class ShardedDecodeBatch:
                                     f"got min {int(seq.min())}")
         total = seq // compress_ratio
         local_total = local_key_count(total, rank, world)
-        max_page = _check_block_table(table, (local_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
+        max_page = check_block_table(table, (local_total + PAGE_SIZE - 1) // PAGE_SIZE, num_cache_pages)
         check_page_sharing("block_table", table, local_total, PAGE_SIZE,
                            local_key_count((seq - next_n) // compress_ratio, rank, world),
                            "compressed entries" if compress_ratio == 4 else "keys")
@@ -220,7 +219,7 @@ class ShardedDecodeBatch:
             raise IndexerInputError(f"max_context_len must be an int >= the longest row ({longest} keys), got "
                                     f"{max_context_len!r}")
         local_width = min(-(-width // world), table.shape[1] * PAGE_SIZE)
-        slots_of_requests = _state_slots(state_slots, seq.shape[0])
+        slots_of_requests = request_state_slots(state_slots, seq.shape[0])
         glob, local, pos, slots, state = _shard_metadata(seq, table, slots_of_requests, rank, world, next_n,
                                                          compress_ratio)
         request = torch.arange(seq.shape[0])[:, None].expand(-1, next_n).reshape(-1)
@@ -229,7 +228,7 @@ class ShardedDecodeBatch:
         batch = DecodeBatch(local.to(**to).contiguous(), table.to(device, torch.int32).contiguous(), pos.to(**to),
                             slots.to(**to), request.to(device, torch.int32), local_width, next_n, compress_ratio,
                             completes.to(**to) if completes is not None else None, state.to(**to),
-                            int(state.max()), max_page, _last_position(pos, request))
+                            int(state.max()), max_page, largest_position(pos, request))
         return cls(batch, glob.to(**to).contiguous(), width, rank, world)
 
     @classmethod
@@ -380,7 +379,7 @@ def store_keys_sharded(indexer, x: torch.Tensor, batch: PrefillBatch, cache: Ind
     rank, world = _check_rank(rank, world)
     if not isinstance(batch, PrefillBatch):
         raise IndexerInputError(f"batch must be a PrefillBatch, got {type(batch).__name__}")
-    host_table = _as_host_int_tensor("block_table", block_table, (2,))
+    host_table = host_int_tensor("block_table", block_table, (2,))
     max_page = int(host_table.max()) if host_table.numel() else -1
     if max_page >= cache.num_pages:
         raise IndexerInputError(f"block_table uses cache page {max_page} but this rank's cache has "

@@ -22,6 +22,7 @@ from .compressor import CompressionStep
 from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 from .contract.specs import PIPELINE_OP
+from .dispatch.plugins import hookimpl
 from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 from .plan import StepPlan
 
@@ -115,7 +116,7 @@ def k_path(plan: StepPlan, x: torch.Tensor, positions: torch.Tensor,
         return
     cfg, w = plan.config, plan.weights
     if isinstance(key_store, CompressionStep):
-        w.compressor.step(x, key_store, kv_cache, w.cos_sin, plan.fp8_dtype, plan.target)
+        w.compressor.step(plan, x, key_store, kv_cache)
         return
     if k is None:
         k = project_k(plan, x)
@@ -162,7 +163,7 @@ def k_path_plain(plan: StepPlan, x: torch.Tensor, positions: torch.Tensor,
         return
     cfg, w = plan.config, plan.weights
     if isinstance(key_store, CompressionStep):
-        w.compressor.step(x, key_store, cache, w.cos_sin, plan.fp8_dtype, plan.target)
+        w.compressor.step(plan, x, key_store, cache)
         return
     if k is None:
         k = project_k(plan, x)
@@ -245,3 +246,11 @@ def register_single_stream(registry) -> None:
                             verified=(CPU_SUITE, Verified(Level.VENDOR_SCHEMA, ("npu",),
                                                           "tests/backends/test_npu_backend.py, test_npu_schemas.py"))
                             )(lambda: plain_single_stream)
+
+
+@hookimpl
+def dsa_indexer_register(registry) -> None:
+    """The generic strategies and the x projections on torch's GEMMs: registered like a backend (an entry point of
+    ``dsa_indexer.backends``), so no other module imports this one to register them."""
+    register_single_stream(registry)
+    register_x_projections_torch(registry)

@@ -10,6 +10,7 @@ from dsa_indexer import ops
 from dsa_indexer.backends.cuda import deepgemm as dg
 from dsa_indexer.backends.reference import kernels as ref
 from dsa_indexer.contract.cache import IndexKCache, store_fp4_rows
+from dsa_indexer.contract.step import StepContext
 from dsa_indexer.contract.validate import IndexerInputError
 from dsa_indexer.dispatch.environment import Environment
 from dsa_indexer.dispatch.plugins import default_registry
@@ -52,7 +53,12 @@ def test_fp4_paged_adapter_matches_the_reference(next_n, heads):
     torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-5 * float(want[visible].abs().max()))
     calls = len(module.calls)
     adapter(q, kv, weights, lens, table, 200)
-    assert len(module.calls) == calls + 1  # the schedule metadata came from the step's memo the second time
+    assert len(module.calls) == calls + 2  # no step context: the call computes its own schedule
+    context = StepContext()
+    adapter(q, kv, weights, lens, table, 200, context=context)
+    calls = len(module.calls)
+    adapter(q, kv, weights, lens, table, 200, context=context)
+    assert len(module.calls) == calls + 1  # the schedule metadata came from the step's context the second time
 
 
 def test_fp4_paged_adapter_refuses_what_it_cannot_read():

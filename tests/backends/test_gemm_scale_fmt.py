@@ -266,11 +266,8 @@ def test_plan_build_and_the_gemm_call_read_no_value(sm100_deepgemm, monkeypatch)
     indexer.load_checkpoint(_checkpoint(indexer, pow2=True, seed=9))
     indexer._registry = reg
     monkeypatch.setattr(ops, "scale_format", lambda scales: pytest.fail("scale format read at plan build"))
-    with _NoHostReads():
-        plan = indexer.step_plan(64, False)
-    assert plan.wq_b_scale_fmt == "ue8m0"
-    monkeypatch.setattr(deepgemm_kernels, "ranges_checked", lambda t: False)
     # The double's own checks read values (it is not DeepGEMM): inside the guard it only records its arguments.
+    # Patched before the plan is built: building it binds the GEMM, whose adapter takes the module's function then.
     recorded = []
 
     def record(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims="nk",
@@ -279,6 +276,10 @@ def test_plan_build_and_the_gemm_call_read_no_value(sm100_deepgemm, monkeypatch)
 
     double = fake.fp8_fp4_gemm_nt
     monkeypatch.setattr(fake, "fp8_fp4_gemm_nt", record, raising=False)
+    with _NoHostReads():
+        plan = indexer.step_plan(64, False)
+    assert plan.wq_b_scale_fmt == "ue8m0"
+    monkeypatch.setattr(deepgemm_kernels, "ranges_checked", lambda t: False)
     gen = torch.Generator().manual_seed(3)
     a, sa = ref.quant_fp8_groups(torch.randn(64, 256, generator=gen), 128, ue8m0=True)
     fn = reg.function("gemm_fp8_blockscale", indexer.target,

@@ -70,12 +70,12 @@ def first_call_compiles(monkeypatch):
 
     original, calls = StepPlan.run, []
 
-    def slow_first(plan, role, op, *args):
+    def slow_first(plan, role, op, *args, **kwargs):
         if op == "k_prologue_store":
             if not calls:
                 time.sleep(COMPILE_S)
             calls.append(1)
-        return original(plan, role, op, *args)
+        return original(plan, role, op, *args, **kwargs)
 
     monkeypatch.setattr(StepPlan, "run", slow_first)
     return calls

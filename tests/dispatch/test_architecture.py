@@ -115,6 +115,18 @@ def test_dispatch_imports_no_backend():
     assert upward == []
 
 
+def test_no_backend_imports_the_model():
+    """The model (indexer, plan, pipeline, compressor, fp4, graphs) reaches the backends only through dispatch, and the
+    backends reach the model's facts only through the contract: no import either way."""
+    model = {f"dsa_indexer.{name}" for name in ("indexer", "plan", "pipeline", "compressor", "fp4", "graphs")}
+    edges = _imports(_modules())
+    into_model = sorted((m, t) for m, targets in edges.items() if m.startswith("dsa_indexer.backends")
+                        for t in targets if t in model)
+    into_backends = sorted((m, t) for m, targets in edges.items() if m in model
+                           for t in targets if t.startswith("dsa_indexer.backends"))
+    assert into_model == [] and into_backends == []
+
+
 # --- parts ---------------------------------------------------------------------------------------------------------
 # The layers of docs/architecture.md's drawing. The contract holds what every layer builds on (contract/, the model
 # configurations and RoPE tables, the environment-flag parser); ops.py is the public ops over dispatch; the model is
@@ -154,17 +166,8 @@ def test_the_part_finder_sees_a_circle():
 
 
 # --- private names ---------------------------------------------------------------------------------------------------
-# Reach-ins left, each with why. Both are in files that part B of issue 36 reworks this session (backends/cuda's
-# step memo, the batch records), where the names become public with that work.
-ALLOWED_REACH_INS = {
-    # deepgemm_fp4 shares the SM count probe of deepgemm_kernels (one cached query per device); step_memo's rework.
-    ("dsa_indexer.backends.cuda.deepgemm_fp4", "dsa_indexer.backends.cuda.deepgemm_kernels._num_sms"),
-    # context parallelism splits a batch with the batch builders' own host checks and request maps.
-    ("dsa_indexer.parallel", "dsa_indexer.batch._as_host_int_tensor"),
-    ("dsa_indexer.parallel", "dsa_indexer.batch._check_block_table"),
-    ("dsa_indexer.parallel", "dsa_indexer.batch._last_position"),
-    ("dsa_indexer.parallel", "dsa_indexer.batch._state_slots"),
-}
+# Reach-ins left, each with why (none: the step memo's rework and the batch records made the shared names public).
+ALLOWED_REACH_INS: set[tuple[str, str]] = set()
 
 
 def _private(name: str) -> bool:

@@ -46,10 +46,10 @@ def test_the_gemm_input_is_quantized_in_the_recipe_format(scale_fmt, monkeypatch
     seen = []
     real = StepPlan.run  # every op of a step runs through its plan: (x, group_size, ue8m0, fp8_dtype) here
 
-    def recording(plan, role, op, *args):
+    def recording(plan, role, op, *args, **kwargs):
         if op == "quant_fp8_groups":
             seen.append(args[2])
-        return real(plan, role, op, *args)
+        return real(plan, role, op, *args, **kwargs)
 
     monkeypatch.setattr(StepPlan, "run", recording)
     q_lora = ops.rmsnorm_quant_fp8(q_a, norm_w)[0]

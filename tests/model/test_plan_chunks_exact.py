@@ -90,7 +90,7 @@ def test_plan_equals_the_scan_on_bounds_that_grow_irregularly():
             ks.append(low)
             ke.append(high)
         bounds = (torch.tensor(ks), torch.tensor(ke))
-        batch = dataclasses.replace(base, ks=bounds[0].int(), ke=bounds[1].int(), host_bounds=bounds, _plans=None,
+        batch = dataclasses.replace(base, ks=bounds[0].int(), ke=bounds[1].int(), host_bounds=bounds,
                                     compress_ratio=rng.choice([1, 4]))
         for row_bytes in (0, rng.randrange(1, 100_000)):
             for key_bytes in (0, 4):

@@ -122,10 +122,10 @@ def test_reuse_removes_exactly_one_quant_call(monkeypatch):
     calls = []
     real = StepPlan.run  # every op a step runs goes through its plan
 
-    def counting(plan, role, op, *args):
+    def counting(plan, role, op, *args, **kwargs):
         if op == "quant_fp8_groups":
             calls.append(role)
-        return real(plan, role, op, *args)
+        return real(plan, role, op, *args, **kwargs)
 
     monkeypatch.setattr(StepPlan, "run", counting)
     _run(indexer, cache, batch, x, q_lora, None)

@@ -108,10 +108,10 @@ def test_prefill_in_chunks_bounds_every_intermediate_and_matches_one_pass(v4, mo
     outs, widths = [], []
     real = StepPlan.run  # each chunk's scoring runs through the step's plan: ragged_mqa_topk(q, k, ...)
 
-    def recording(plan, role, op, *args):
+    def recording(plan, role, op, *args, **kwargs):
         if op == "ragged_mqa_topk":
             widths.append((args[0].shape[0], args[1].shape[0]))
-        return real(plan, role, op, *args)
+        return real(plan, role, op, *args, **kwargs)
 
     monkeypatch.setattr(StepPlan, "run", recording)
     for budget in (512 << 20, 256 << 10):

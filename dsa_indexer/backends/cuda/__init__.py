@@ -35,6 +35,7 @@ from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 from ...dispatch.verification import Level, Verified, ran_on
 from ...contract.quant import Fp8GroupLayout
+from ...contract.step import STEP_CONTEXT_INFO
 
 DEEPGEMM_PRIORITY = 200
 DEEPGEMM_TARGETS = ("sm90", "sm100")
@@ -283,6 +284,8 @@ def dsa_indexer_register(registry: Registry) -> None:
     for op in OPS:
         supports = _gemm_supports if op == "gemm_fp8_blockscale" else None
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else {}
+        if op == "paged_mqa_logits":
+            info = {STEP_CONTEXT_INFO: True}  # its schedule is the step's (contract/step.py)
         registry.implementation(op, impl_id=f"{op}.cuda.deepgemm", targets=DEEPGEMM_TARGETS,
                                 priority=DEEPGEMM_PRIORITY, requires=("gpu", "deep_gemm"), available=_available(op),
                                 supports=supports, capabilities=CAPABILITIES[op], description=DESCRIPTIONS[op],
@@ -295,7 +298,8 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 priority=DEEPGEMM_PRIORITY - 1, requires=("gpu", "deep_gemm"),
                                 available=_fp4_available(op), supports=_fp4_supports,
                                 capabilities=FP4_CAPABILITIES[op], description=FP4_DESCRIPTIONS[op],
-                                info={"native_fp4": True}, verified=FP4_VERIFIED)(_fp4_factory(op))
+                                info={"native_fp4": True, STEP_CONTEXT_INFO: op == "paged_mqa_logits"},
+                                verified=FP4_VERIFIED)(_fp4_factory(op))
     registry.add_probe("cuda_jit", _cuda_jit_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
@@ -310,6 +314,7 @@ def dsa_indexer_register(registry: Registry) -> None:
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_lightning_available, capabilities=PAGED_CAPS,  # its logits half
                             description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k",
+                            info={STEP_CONTEXT_INFO: True},
                             verified=LIGHTNING_VERIFIED)(_lightning_factory)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),

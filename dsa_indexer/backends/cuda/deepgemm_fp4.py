@@ -17,7 +17,8 @@ from ...contract.cache import FP4_BYTES_PER_TOKEN, FP4_VALUE_BYTES, PAGE_SIZE
 from ...contract.cache import pack_e2m1 as pack_fp4_bytes
 from ...contract.validate import IndexerInputError, ranges_checked
 from .deepgemm_api import FP4_LOGITS_BLOCK, METADATA, PAGED_NEW, RAGGED_NEW, DeepGemmApi
-from .deepgemm_kernels import _num_sms, mask_tail_, step_memo, ue8m0_bytes
+from ...contract.step import StepContext, step_scratch
+from .deepgemm_kernels import device_sm_count, mask_tail_, ue8m0_bytes
 
 def pack_ue8m0_rows(scales: torch.Tensor) -> torch.Tensor:
     """fp32 power-of-two block scales [..., B] (B <= 4) as one int32 per row (contiguous), the ``q_sf`` / ``kv_sf``
@@ -114,7 +115,7 @@ def make_fp4_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[
     Same signature and result as the `paged_mqa_logits` op: q [B, N, H, 128] is the library's folded fp8 q (its row
     scale in ``weights``), unfolded exactly (`fp4_q_operand`) into packed e2m1 int8 [B, N, H, 64] and one int32 of
     four ue8m0 block scales per (row, head). 2-D context lengths, schedule metadata once per step (shared with the
-    layers through `step_memo`), the tail past each row's length masked here (``clean_logits=False``, as the fp8
+    layers through the step's context), the tail past each row's length masked here (``clean_logits=False``, as the fp8
     adapter: DeepGEMM leaves garbage there)."""
     if api.paged_fn != PAGED_NEW:
         raise RuntimeError(f"{api.describe()} has no FP4 paged logits ({PAGED_NEW} with {METADATA}, DeepGEMM 2.x)")
@@ -126,19 +127,20 @@ def make_fp4_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[
     if "logits_dtype" in api.paged_params:
         extra["logits_dtype"] = torch.float32
 
-    def schedule(context_lens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        num_sms = _num_sms(module, device)
+    def schedule(context_lens: torch.Tensor, device: torch.device, context: StepContext | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_sms = device_sm_count(module, device)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             # Rows with no visible key would make DeepGEMM fault: one key to read; the mask below uses the true ones.
             lens = context_lens.contiguous().clamp_min(1)
             return lens, metadata(lens, PAGE_SIZE, num_sms)
 
-        return step_memo(context_lens, ("deepgemm_fp4_paged_schedule", num_sms), compute)
+        return step_scratch(context, ("deepgemm_fp4_paged_schedule", num_sms), compute)
 
     def paged_mqa_logits_fp4(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
-                             context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int
-                             ) -> torch.Tensor:
+                             context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int, *,
+                             context: StepContext | None = None) -> torch.Tensor:
         if kv_cache.shape[-1] != FP4_BYTES_PER_TOKEN:
             raise IndexerInputError(f"the FP4 paged logits adapter reads the paged64_fp4_e2m1 pages "
                                     f"({FP4_BYTES_PER_TOKEN} bytes per token), got {kv_cache.shape[-1]} per token")
@@ -146,7 +148,7 @@ def make_fp4_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[
             raise IndexerInputError(f"{api.describe()} computes keys up to context_lens[b, -1] for every row of "
                                     "request b: context_lens[b, j] must be <= context_lens[b, -1]")
         q_arg = fp4_q_operand(q)
-        lens, meta = schedule(context_lens, q.device)
+        lens, meta = schedule(context_lens, q.device, context)
         logits = kernel(q_arg, kv_cache, weights.float().contiguous(), lens, block_table, meta, max_context_len,
                         **extra)
         mask_tail_(logits, context_lens.reshape(-1))

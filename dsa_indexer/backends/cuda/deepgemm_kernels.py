@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from ...contract.cache import PAGE_SIZE
+from ...contract.step import StepContext, step_scratch
 from ...contract.validate import IndexerInputError, ranges_checked
 from .deepgemm_api import (GEMM_NAMES, METADATA, PAGED_LEGACY, PAGED_NEW, RAGGED_LEGACY, RAGGED_NEW,
                            SM90_RECIPE, SM100_RECIPE, DeepGemmApi, param_names)
@@ -34,23 +35,26 @@ def causal_lens_hold(context_lens: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Per-step scratch
-def step_memo(owner: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
-    """``compute()`` once per (``owner`` tensor, ``key``) while ``owner`` is not modified in place.
+# A decode step's schedule (and row map) is computed once per step and read by every layer: the step's
+# `contract.step.StepContext` holds it (`step_scratch`; the plan passes ``context=`` to these adapters, registered
+# with ``info={"step_context": True}``). A call without a context (a public op called alone) computes it for itself.
+# Under CUDA-graph capture the first layer's kernel is captured and the later layers read its output, so a replay
+# recomputes it once per step too.
 
-    The decode batch's ``context_lens`` is built once per step and read by every layer, so values derived from it
-    alone (DeepGEMM's schedule metadata) are computed by the first layer and reused by the others. The memo lives
-    on the tensor itself: it dies with the step's batch, and an in-place write (which bumps ``_version``)
-    invalidates it. Under CUDA-graph capture the first layer's kernel is captured and the later layers read its
-    output, so a replay recomputes it once per step too. Tensors made under ``torch.inference_mode`` keep no
-    version counter, so in-place writes to them cannot be seen: for those the value is computed on every call."""
+
+def weight_memo(owner: torch.Tensor, key: tuple, compute: Callable[[], Any]) -> Any:
+    """``compute()`` once per (weight tensor ``owner``, ``key``) while ``owner`` is not modified in place: a layout of
+    a weight (its packed scales), made at its first GEMM and kept with the weight (a library parameter, not a
+    caller's per-step tensor). A weight made under ``torch.inference_mode`` keeps no version counter: computed on
+    every call then."""
     try:
         version = owner._version
     except RuntimeError:  # an inference tensor
         return compute()
-    memo = owner.__dict__.get("_dsa_indexer_step_memo")
+    memo = owner.__dict__.get("_dsa_indexer_weight_memo")
     if memo is None or memo[0] != version:
         memo = (version, {})
-        owner.__dict__["_dsa_indexer_step_memo"] = memo
+        owner.__dict__["_dsa_indexer_weight_memo"] = memo
     cache = memo[1]
     if key not in cache:
         cache[key] = compute()
@@ -102,7 +106,7 @@ def pack_ue8m0(scales: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Adapters
-def _num_sms(module: ModuleType, device: torch.device) -> int:
+def device_sm_count(module: ModuleType, device: torch.device) -> int:
     get = getattr(module, "get_num_sms", None)
     if callable(get):
         return int(get())  # DeepGEMM checks the metadata against its own (settable) SM count
@@ -123,11 +127,12 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
     if "logits_dtype" in api.paged_params:
         extra["logits_dtype"] = torch.float32
 
-    def schedule(context_lens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the lengths DeepGEMM is given, its schedule metadata), computed once per decode step: cached on the
-        step's ``context_lens`` tensor, so every layer of a step (and every layer captured into one graph)
-        shares one metadata kernel."""
-        num_sms = _num_sms(module, device)
+    def schedule(context_lens: torch.Tensor, device: torch.device, context: StepContext | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the lengths DeepGEMM is given, its schedule metadata), computed once per decode step: kept in the
+        step's context, so every layer of a step (and every layer captured into one graph) shares one metadata
+        kernel."""
+        num_sms = device_sm_count(module, device)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
             lens2d = context_lens.contiguous()
@@ -137,7 +142,7 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
             lens = lens.clamp_min(1)
             return lens, metadata(lens, PAGE_SIZE, num_sms)
 
-        return step_memo(context_lens, ("deepgemm_paged_schedule", num_sms, two_d), compute)
+        return step_scratch(context, ("deepgemm_paged_schedule", num_sms, two_d), compute)
 
     def check_lengths(context_lens: torch.Tensor) -> None:
         if not ranges_checked(context_lens):
@@ -155,17 +160,19 @@ def make_paged_mqa_logits(module: ModuleType, api: DeepGemmApi) -> Callable[...,
                 "satisfy context_lens[b, j] == context_lens[b, -1] - (next_n - 1 - j) (what DecodeBatch builds)")
 
     def unmasked(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                 block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
+                 block_table: torch.Tensor, max_context_len: int, context: StepContext | None = None
+                 ) -> torch.Tensor:
         """DeepGEMM's logits as it returns them: a view with padded rows, garbage past each row's length
         (for consumers that read only [0, context_lens[row]), such as the top-k)."""
         check_lengths(context_lens)
-        lens, meta = schedule(context_lens, q.device)
+        lens, meta = schedule(context_lens, q.device, context)
         q_arg = (q.contiguous(), None) if tuple_q else q.contiguous()
         return kernel(q_arg, kv_cache, weights.contiguous(), lens, block_table, meta, max_context_len, **extra)
 
     def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                         block_table: torch.Tensor, max_context_len: int) -> torch.Tensor:
-        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len)
+                         block_table: torch.Tensor, max_context_len: int, *, context: StepContext | None = None
+                         ) -> torch.Tensor:
+        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len, context)
         mask_tail_(logits, context_lens.reshape(-1))
         return logits if logits.is_contiguous() else logits.contiguous()
 
@@ -244,7 +251,7 @@ def make_gemm_fp8_blockscale(module: ModuleType, api: DeepGemmApi, arch_major: i
         def packed_weight_scales() -> torch.Tensor:
             return pack_ue8m0(b_scales.repeat_interleave(128, dim=0)[:n])
 
-        return pack_ue8m0(a_scales), step_memo(b_scales, ("deepgemm_sm100_sfb", n), packed_weight_scales)
+        return pack_ue8m0(a_scales), weight_memo(b_scales, ("deepgemm_sm100_sfb", n), packed_weight_scales)
 
     def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                             out_dtype: torch.dtype = torch.bfloat16, scale_fmt: str = "fp32") -> torch.Tensor:

@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 from ...contract.cache import LAYOUT_PAGED64
+from ...contract.step import STEP_CONTEXT_INFO
 from ...envflags import EnvironmentFlagError, env_flag, parse_count, parse_sm_limit
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
@@ -146,13 +147,15 @@ def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
 
 
 def make_dual_stream(gemm_limit: Callable[[], contextlib.AbstractContextManager] | None = None) -> Callable:
-    def dual_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant):
-        """q path on the current stream, k path on the device's alt stream, joined before returning."""
+    def dual_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant, *, context=None):
+        """q path on the current stream, k path on the device's alt stream (or the step context's
+        ``side_stream``, a caller's own), joined before returning."""
         steps = plan.steps  # the model's shared steps (pipeline.PipelineSteps), not imported by this backend
         if x.device.type != "cuda":  # a simulated cuda target on host tensors: nothing to overlap
             return steps.single_stream(plan, x, q_lora, positions, key_store, kv_cache, q_lora_quant)
         main = torch.cuda.current_stream(x.device)
-        alt = alt_stream(x.device)
+        side = getattr(context, "side_stream", None)
+        alt = side if side is not None else alt_stream(x.device)
         alt.wait_stream(main)
         limit = gemm_limit() if gemm_limit is not None else contextlib.nullcontext()
         if not plan.fuse_x_projections:
@@ -182,7 +185,7 @@ def register_dual_stream(registry) -> None:
         return make_dual_stream(_gemm_sm_limit())
 
     registry.implementation(PIPELINE_OP, impl_id=IMPL_ID, targets=("cuda",), priority=PRIORITY, requires=("gpu",),
-                            supports=supports,
+                            supports=supports, info={STEP_CONTEXT_INFO: True},  # the context's side stream
                             description="q path on the current stream, k path on a side stream (<= 1024 tokens)",
                             verified=(ran_on("sm90", "90cca2e", "2026-12-02",
                                              "tests/gpu/test_cuda_backend_gpu.py (bit-identical to single stream); "

@@ -5,7 +5,7 @@ Against the generic composition (paged_mqa_logits op, then topk_indices op) this
 - no -inf mask over the logits' tail: the top-k reads only columns [0, context_lens[row]) of each row, so the
   garbage DeepGEMM leaves past a row's length (and in its padded row stride) is never looked at, and the padded
   view is consumed as it is (no contiguous copy);
-- DeepGEMM's schedule metadata once per decode step, shared by every layer (`deepgemm.step_memo`).
+- DeepGEMM's schedule metadata once per decode step, shared by every layer (the step's `contract.step.StepContext`).
 The slot transform (``return_slots``) runs inside the top-k's store.
 """
 
@@ -16,17 +16,19 @@ from typing import Callable
 
 import torch
 
-from .deepgemm import DeepGemmApi, make_paged_mqa_logits, step_memo
+from ...contract.cache import decode_row_requests
+from ...contract.step import StepContext
+from .deepgemm import DeepGemmApi, make_paged_mqa_logits
 from .deepgemm_kernels import make_ragged_mqa_logits
 from .topk import topk_indices
 
 
-def _row_requests(context_lens: torch.Tensor) -> torch.Tensor:
-    """Row b * next_n + j -> request b, made once per step (memoized on the step's context_lens)."""
-    from ...contract.cache import decode_row_requests as make
-
+def _row_requests(context_lens: torch.Tensor, context: StepContext | None) -> torch.Tensor:
+    """Row b * next_n + j -> request b, made once per step (kept in the step's context)."""
     batch, next_n = context_lens.shape
-    return step_memo(context_lens, ("row_requests",), lambda: make(batch, next_n, context_lens.device))
+    if context is None:
+        return decode_row_requests(batch, next_n, context_lens.device)
+    return context.row_requests(batch, next_n, context_lens.device)
 
 
 def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
@@ -34,13 +36,13 @@ def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[...
     unmasked = paged.unmasked  # type: ignore[attr-defined]
 
     def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
-                          ) -> torch.Tensor:
-        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len)
+                          block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False, *,
+                          context: StepContext | None = None) -> torch.Tensor:
+        logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len, context)
         ends = context_lens.reshape(-1)
         if not return_slots:
             return topk_indices(logits, k, ends)
-        return topk_indices(logits, k, ends, None, block_table, _row_requests(context_lens))
+        return topk_indices(logits, k, ends, None, block_table, _row_requests(context_lens, context))
 
     lightning_indexer.api = api  # type: ignore[attr-defined]
     return lightning_indexer
