@@ -46,7 +46,10 @@ def _check_logits(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(torch.isneginf(out), ~visible)
     tol = 1e-4 if out.device.type == "cpu" else 2e-3
     row_max = torch.where(visible, expected.abs(), torch.zeros_like(expected)).amax(dim=1, keepdim=True)
-    bound = tol * row_max + tol * expected.abs()
+    # Plus an absolute floor: a row whose few visible logits cancel to near zero (a causal row of one or two keys)
+    # still carries the fp32 rounding of its 64 x 128 products, which are of order 1 (seen: 9.2e-5 on a row whose
+    # largest logit was below 1). A wrong kernel errs by O(1) and more.
+    bound = tol * row_max + tol * expected.abs() + 1e-3
     err = torch.where(visible, (out - expected).abs(), torch.zeros_like(out))
     assert bool((err <= bound).all()), f"max error {float(err.max())}"
 
