@@ -11,6 +11,7 @@ import torch
 
 from .. import ops
 from ..testing import decode_step, random_cache, real_decode_logits
+from ..contract.step import StepContext
 from ..dispatch.plugins import default_registry
 from ..dispatch.target import Target, detect_target
 from .progress import progress_factory
@@ -158,7 +159,10 @@ def _deepgemm_kernel_alone(run: _Run, args, shape: dict, keys_bytes: int) -> flo
         unmasked = getattr(default_registry().function("paged_mqa_logits", run.target, problem), "unmasked", None)
     if unmasked is None:
         return None
-    us = run.timed("paged_mqa_logits", DEEPGEMM_PAGED, lambda: unmasked(*args), shape)
+    # One step context for every timed call: the schedule is made once, as a step's later layers see it (a call
+    # without a context, a public op alone, makes its own every time).
+    step = StepContext()
+    us = run.timed("paged_mqa_logits", DEEPGEMM_PAGED, lambda: unmasked(*args, context=step), shape)
     if us is not None:
         run.add("decode", "paged_mqa_logits", DEEPGEMM_KERNEL_ROW, shape, us, keys_bytes, "GB/s",
                 run.report.ceilings["copy_GBps"], bytes=keys_bytes)

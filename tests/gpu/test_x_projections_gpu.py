@@ -81,7 +81,7 @@ def test_the_step_runs_the_triton_kernel_on_the_gpu():
     indexer = Indexer(IndexerConfig.deepseek_v32(), device="cuda").init_random(0)
     plan = indexer.step_plan(4, True)
     project_x(plan, x)
-    assert plan._kernels["x_projections"].__module__ == xproj.__name__
+    assert plan.kernels["x_projections"].fn.__module__ == xproj.__name__
 
 
 @pytest.mark.parametrize("batch", [1, 32])
