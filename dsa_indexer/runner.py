@@ -141,14 +141,22 @@ def _device(name: str | None) -> torch.device:
 
 
 def compile_caches() -> list[dict]:
-    """The on-disk caches that first-use compiles fill: this package's nvcc-built kernels, Triton's, DeepGEMM's
-    JIT (name, path, and the variable that moves it). Reading them imports no vendor library."""
-    from .backends.cuda import jit
-    from .backends.cuda.deepgemm_api import jit_cache_dir
+    """The on-disk caches that first-use compiles fill: Triton's, and each platform's own (the CUDA platform: this
+    package's nvcc-built kernels and DeepGEMM's JIT), as name, path and the variable that moves it. Reading them
+    imports no vendor library."""
+    from .dispatch.platform import platforms
 
-    return [{"name": "dsa_indexer CUDA JIT (nvcc top-k)", "path": str(jit.cache_dir()), "env": jit.CACHE_ENV},
-            {"name": "Triton", "path": _triton_cache_dir(), "env": "TRITON_CACHE_DIR"},
-            {"name": "DeepGEMM JIT", "path": jit_cache_dir(), "env": "DG_JIT_CACHE_DIR"}]
+    caches = [{"name": "Triton", "path": _triton_cache_dir(), "env": "TRITON_CACHE_DIR"}]
+    for platform in platforms():
+        caches += [dict(cache) for cache in platform.compile_caches()]
+    return caches
+
+
+def _compile_builds() -> list[dict]:
+    """The builds every platform's first-use compiles made so far in this process."""
+    from .dispatch.platform import platforms
+
+    return [build for platform in platforms() for build in platform.compile_builds()]
 
 
 def _triton_cache_dir() -> str:
@@ -379,8 +387,6 @@ def run_main_job(settings: RunSettings, progress=None) -> dict:
 def _first_use_phase(clock: _Clock, warm_up: Callable, on_accelerator: bool):
     """Run ``warm_up`` as the named phase WARMUP, saying first where its compiles land; returns ``(graph, reason,
     the JSON's warmup block)`` with the files each compile cache gained and the nvcc builds it made."""
-    from .backends.cuda import jit
-
     caches = compile_caches()
     if on_accelerator:
         print(f"{WARMUP}: one untimed fill, decode step and prefill" +
@@ -388,12 +394,12 @@ def _first_use_phase(clock: _Clock, warm_up: Callable, on_accelerator: bool):
               "first-use compiles stay out of the timed phases; on a cold cache this takes tens of seconds. Caches: "
               + "; ".join(f"{c['name']} {c['path']}" for c in caches), flush=True)
     files_before = [_files_under(c["path"]) for c in caches]
-    builds_before = len(jit.BUILDS)
+    builds_before = len(_compile_builds())
     graph, graph_reason = clock.time(WARMUP, warm_up)
     for entry, before in zip(caches, files_before):
         entry["new_files"] = _files_under(entry["path"]) - before
     warmup = {"ran": True, "seconds": clock.phases[WARMUP][0] / 1e3, "caches": caches,
-              "cuda_jit_builds": [dict(b) for b in jit.BUILDS[builds_before:]],
+              "cuda_jit_builds": _compile_builds()[builds_before:],
               "what": "one untimed fill (2 requests), decode step and prefill of the timed shapes into a scratch "
                       "cache" + ("; the decode CUDA graph's capture" if graph is not None else "")}
     return graph, graph_reason, warmup

@@ -45,6 +45,11 @@ class Platform:
     distributions: tuple[str, ...] = ()  # the vendor's Python packages whose versions `dsa-indexer info` shows
     # compress ratio -> the index-K cache layout `Indexer.allocate_cache` picks (default: the fp8 132-byte pages)
     cache_layouts: Mapping[int, str] = field(default_factory=dict)
+    # The on-disk caches this vendor's first-use compiles fill ({"name", "path", "env"} each), and the builds made
+    # so far in this process ({"source", "seconds", ...} each): what `dsa-indexer run` reports around its warm-up.
+    # Reading them imports no vendor library.
+    compile_caches: Callable[[], list] = lambda: []
+    compile_builds: Callable[[], list] = lambda: []
 
     def fp8_dtype(self, arch: str) -> torch.dtype:
         return self.fp8_dtypes.get(arch, torch.float8_e4m3fn)

@@ -94,8 +94,9 @@ def test_the_warm_up_phase_takes_first_use_compiles_out_of_the_timed_phases(firs
     assert all(timings[name]["median"] < COMPILE_S * 1e3 for name in (FILL, EAGER_DECODE, PREFILL)), timings
     warmup = report["warmup"]
     assert warmup["ran"] and warmup["seconds"] >= COMPILE_S
-    assert [c["name"] for c in warmup["caches"]] == ["dsa_indexer CUDA JIT (nvcc top-k)", "Triton", "DeepGEMM JIT"]
-    assert warmup["caches"][0]["path"] == str(jit.cache_dir()) and all("new_files" in c for c in warmup["caches"])
+    # Triton's (portable) first, then each platform's own: the CUDA platform's nvcc kernels and DeepGEMM's JIT
+    assert [c["name"] for c in warmup["caches"]] == ["Triton", "dsa_indexer CUDA JIT (nvcc top-k)", "DeepGEMM JIT"]
+    assert warmup["caches"][1]["path"] == str(jit.cache_dir()) and all("new_files" in c for c in warmup["caches"])
     assert f"{WARMUP}: {warmup['seconds']:.1f} s" in out
     assert report["q_lora_quant"] == {"reused": 3}  # the warm-up's own calls are not counted: 2 steps + prefill
     assert report["verified"] is True
