@@ -62,7 +62,7 @@ SHORT_ROWS_MAX_COLS = 16384
 # ~40 GB/s), at 32 x 32K 4-CTA clusters (17.9 vs 22.1).
 LONG_ROWS_STREAM_MIN_COLS = 65536
 LONG_ROWS_STREAM_MIN_ROWS = 32
-# V4's k = 512 on compressed-key rows: from 64 rows of more than 32K columns the streaming kernel beats the 2-CTA
+# V4's k = 512 on compressed-key rows: from 64 rows of 32K columns or more the streaming kernel beats the 2-CTA
 # register clusters (its candidates are fewer at k = 512; topk_engines_s10_h200.json, us: 64 / 128 x 32K 19.1 / 21.6
 # vs 20.4 / 24.6; at k = 2048 the clusters stay ahead or even: 20.4 / 25.2 vs 22.9 / 25.3).
 SMALL_K_STREAM_MAX_K = 512
