@@ -134,6 +134,11 @@ def ours(cuda_topk, args, logits, ends, k, width, sms):
         alt = cuda_topk.Plan("registers", *reg)
         impls[f"cuda.radix registers x{alt.cluster} keys{alt.per_cta}"] = (
             lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, alt))
+    if (reg is not None and (planned is None or planned.kernel != "routed")
+            and cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS):
+        routed = cuda_topk.Plan("routed", *reg)
+        impls[f"cuda.radix routed x{routed.cluster} keys{routed.per_cta}"] = (
+            lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, routed))
     if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
         impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(logits, k, ends, None, None, None,
                                                                 cuda_topk.Plan("stream", 1, 0))

@@ -291,3 +291,31 @@ def test_the_jit_kernels_are_probed_on_the_shared_vendor_library_path(module, mo
     assert kernels.probe() is None and seen == [torch.device("cuda", 0)]
     assert library.description().startswith(f"{library.module} (nvcc-built")
     library.reset()
+
+
+@pytest.fixture
+def routed_rows(monkeypatch):
+    """The plan with ROUTE_ROWS on (plan_for is cached per shape: cleared on the way in and out)."""
+    monkeypatch.setattr(cuda_topk, "ROUTE_ROWS", True)
+    cuda_topk.plan_for.cache_clear()
+    yield
+    cuda_topk.plan_for.cache_clear()
+
+
+@pytest.mark.parametrize("rows,cols,cluster,keys", [
+    (1, 16385, 5, 8), (1, 32768, 8, 8), (32, 32768, 4, 16), (128, 32768, 2, 32), (1, 131072, 16, 16),
+    (32, 131072, 8, 32), (64, 131072, 8, 32), (1, 163840, 10, 32), (32, 163840, 10, 32), (1, 262144, 16, 32)])
+def test_routed_launch_for_rows_longer_than_one_cta_in_up_to_two_waves(routed_rows, rows, cols, cluster, keys):
+    """Rows wider than 16K columns whose register clusters fit two waves: one routed launch (the rows' own lengths
+    pick the kernel on the device), with the register kernel's clusters for the width."""
+    assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("routed", cluster, keys)
+
+
+@pytest.mark.parametrize("rows,cols,k", [(32, 8192, 2048), (132, 16384, 2048), (128, 131072, 2048),
+                                         (300, 40000, 2048), (64, 32768, 512), (1, 262145, 2048),
+                                         (2048, 32768, 2048)])
+def test_no_routed_launch_for_short_rows_more_waves_v4_streams_wider_rows_or_prefill(routed_rows, rows, cols, k):
+    """Short rows (the streaming kernel holds them), more than two waves of clusters (every row streams), V4's
+    64+ rows at k = 512, rows wider than the streaming kernel's bitmap, and prefill chunks keep their plans."""
+    assert cuda_topk.plan_for(rows, cols, 132, 4, k).kernel != "routed"
+

@@ -48,6 +48,9 @@ def _plans(rows: int, cols: int, vec: int = 4):
         plans.append(cuda_topk.Plan("shared", *shared))
     if cols <= cuda_topk.STREAM_MAX_COLS:  # the streaming kernel, forced on every width (its fallback on short rows)
         plans.append(cuda_topk.Plan("stream", 1, 0))
+    reg = cuda_topk.register_plan(rows, cols, _sms())
+    if reg is not None and cuda_topk.SHORT_ROWS_MAX_COLS < cols <= cuda_topk.STREAM_MAX_COLS:
+        plans.append(cuda_topk.Plan("routed", *reg))  # both kernels side by side, each row to one of them
     return plans
 
 
@@ -281,6 +284,35 @@ def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     _check(logits, 2048, ends, starts, plan=plan)
     _check(logits, 2048, ends, starts, table, req, plan=plan)
     _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
+    routed = cuda_topk.Plan("routed", *cuda_topk.register_plan(rows, width, _sms()))
+    _check(logits, 2048, ends, starts, plan=routed)
+    _check(logits, 2048, ends, starts, table, req, plan=routed)
+
+
+@pytest.mark.parametrize("n_long", [3, 31, 32, 40])
+def test_routed_launch_sends_long_rows_by_their_count(kernel_ready, n_long):
+    """A routed launch: rows of > 64K columns go to the clusters while fewer than 32 are that long, else they
+    stream; short and medium rows beside them, k 2048 and 512, and a captured graph replayed with the other count
+    (the route is read on the device at every replay) equal to eager bitwise."""
+    width = 163840
+    lengths = [70000 + 1237 * i for i in range(n_long)] + [1000, 2049, 8192, 16384, 16389, 40000, 65536]
+    logits, ends = _padded(lengths, width, seed=n_long)
+    plan = cuda_topk.Plan("routed", *cuda_topk.register_plan(len(lengths), width, _sms()))
+    _check(logits, 2048, ends, plan=plan)
+    _check(logits, 512, ends, plan=plan)
+    out = cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)
+    # Replayed with other lengths: no long row at all, or every row long (32 or more of them from n_long = 31 on).
+    other = [min(n, 40000) for n in lengths] if n_long >= 32 else [70000 + 997 * i for i in range(len(lengths))]
+    fresh, fresh_ends = _padded(other, width, seed=n_long + 100)
+    logits.copy_(fresh)
+    ends.copy_(fresh_ends)
+    graph.replay()
+    want = ref.topk_indices(logits, 2048, ends)
+    assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values)
+    assert torch.equal(out, cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)), "graph != eager"
 
 
 def test_clusters_looping_over_rows_of_different_groups(kernel_ready):

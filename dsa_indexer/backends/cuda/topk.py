@@ -78,8 +78,8 @@ PREFILL_THREADS = 256  # 256-thread CTAs, three per SM (512: two per SM; kept fo
 
 
 class Plan(NamedTuple):
-    """One launch: ``kernel`` "registers" (``per_cta`` = keys per thread) or "shared" (``per_cta`` = key
-    capacity per CTA in shared memory), ``cluster`` CTAs per row."""
+    """One launch: ``kernel`` "registers" or "routed" (``per_cta`` = keys per thread), "shared" (``per_cta`` = key
+    capacity per CTA in shared memory), "stream" or "prefill"; ``cluster`` CTAs per row."""
 
     kernel: str
     cluster: int
@@ -120,6 +120,9 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
                                               ctypes.c_void_p]
     lib.dsa_topk_registers_chunk.restype = ctypes.c_int
     lib.dsa_topk_registers_chunk.argtypes = [ctypes.c_int]
+    lib.dsa_topk_routed_launch.restype = ctypes.c_int
+    lib.dsa_topk_routed_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
     lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
@@ -167,6 +170,14 @@ def registers_grid_rows(rows: int, cluster: int, sms: int) -> int:
 
 PACK_ROWS = False  # see registers_grid_rows; benchmarks and tests flip it to compare the two grids
 
+# Rows wider than one CTA holds (16K columns), in up to two waves of register clusters: a routed launch. The
+# launch's width is only a bound (engines pad decode logits to max_model_len), so the rows are routed on the device
+# by their own lengths: the register kernel's clusters on a second stream take the rows longer than 16K columns,
+# the streaming kernel on the caller's stream the shorter ones (one CTA each, in registers), side by side. Rows
+# longer than LONG_ROWS_STREAM_MIN_COLS stream instead when LONG_ROWS_STREAM_MIN_ROWS or more of them are that long
+# (counted on the device), the rule the plan applied to the width before.
+ROUTE_ROWS = False  # on once measured on the H200 (benchmarks/bench_topk_engines.py --plans times it as "routed")
+
 
 @functools.lru_cache(maxsize=4096)
 def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | None:
@@ -185,11 +196,15 @@ def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | 
         return Plan("prefill", 1, PREFILL_THREADS)
     if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
         return Plan("stream", 1, 0)
-    if LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS:
+    if (LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS
+            and not ROUTE_ROWS):
         return Plan("stream", 1, 0)
     if k <= SMALL_K_STREAM_MAX_K and STREAM_MIN_COLS <= cols <= STREAM_MAX_COLS and rows >= SMALL_K_STREAM_MIN_ROWS:
         return Plan("stream", 1, 0)
     reg = register_plan(rows, cols, sms)
+    if (ROUTE_ROWS and reg is not None and SHORT_ROWS_MAX_COLS < cols <= STREAM_MAX_COLS
+            and rows * reg[0] <= STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
+        return Plan("routed", *reg)
     if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS
             and rows * reg[0] > STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
         return Plan("stream", 1, 0)
@@ -251,7 +266,7 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     launch = forced if forced is not None else plan_for(rows, max(cols, 1), sms, vec, k)
     if launch is not None and launch.kernel == "shared" and not _fits(_library(capability), launch.per_cta, optin):
         launch = None
-    if launch is not None and launch.kernel == "stream":
+    if launch is not None and launch.kernel in ("stream", "routed"):
         reg_lib = _registers_library(capability)
         if cols > reg_lib.dsa_topk_stream_max_cols() or reg_lib.dsa_topk_stream_smem_bytes() > optin:
             launch = None
@@ -281,6 +296,13 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     elif launch.kernel == "stream":
         lib = _registers_library(capability)
         err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), int(vec == 4), stream)
+        message = lib.dsa_topk_registers_error_string
+    elif launch.kernel == "routed":
+        lib = _registers_library(capability)
+        if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols or rows > MAX_GRID_ROWS:
+            raise ValueError(f"plan {launch} does not cover {rows} rows of {cols} columns")
+        err = lib.dsa_topk_routed_launch(*args, launch.cluster, launch.per_cta, int(vec == 4),
+                                         LONG_ROWS_STREAM_MIN_COLS, LONG_ROWS_STREAM_MIN_ROWS, stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "registers":
         lib = _registers_library(capability)

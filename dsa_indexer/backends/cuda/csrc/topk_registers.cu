@@ -39,6 +39,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kSoloMaxSpan = 32 * kThreads;  // rows one CTA holds in registers (32 keys per thread) are selected so
 constexpr int kBinBits = 11;
 constexpr int kBins = 1 << kBinBits;
 constexpr int kBinsPerThread = kBins / kThreads;  // 4: one int4 per thread
@@ -61,6 +62,12 @@ struct Params {
   const int* row_request;  // may be null: row r reads block_table row r
   int* out;
   int aligned;  // 1: every row base is 16-byte aligned (float4 loads)
+  // A routed launch (0: off, every row is this kernel's): the register-cluster kernel and the streaming kernel run
+  // side by side on two streams, and each row is taken by exactly one of them, chosen on the device from the rows'
+  // own windows (route_to_clusters). 1: this is the streaming kernel's share; 2: the cluster kernel's share.
+  int route;
+  int route_long_cols;  // rows longer than this are "long": they stream when route_long_rows or more rows are long
+  int route_long_rows;
 };
 
 struct Shared {
@@ -83,6 +90,33 @@ __device__ __forceinline__ int out_value(int local, int req, const Params& p) {
   if (p.block_table == nullptr || local < 0) return local;
   const int page = p.block_table[(long long)req * p.bt_stride + local / kPage];
   return page * kPage + local % kPage;
+}
+
+// A routed launch's per-row choice, the same in every CTA of both kernels (each reads every row's window): a row
+// that one CTA holds in registers (span <= kSoloSpan) or whose window holds <= k columns is the streaming kernel's
+// (one CTA, no cluster); a longer one the cluster kernel's, unless it is long (> route_long_cols) and at least
+// route_long_rows rows are long, where one CTA streaming each row beats the clusters' waves. Engines pad decode
+// logits to max_model_len, so only the rows' own lengths can tell a short row from a long one; the launch's width
+// is a bound.
+// Whether the long rows of a routed launch stream (route_long_rows or more of them are long): every thread of the
+// block gets the answer, from a block-wide count over every row's window.
+__device__ __forceinline__ bool routed_long_rows_stream(const Params& p) {
+  int total = 0;
+  for (int r0 = 0; r0 < p.rows; r0 += blockDim.x) {  // uniform trip count: every thread reaches each barrier
+    const int r = r0 + (int)threadIdx.x;
+    bool is_long = false;
+    if (r < p.rows) is_long = p.ends[r] - (p.starts != nullptr ? p.starts[r] : 0) > p.route_long_cols;
+    total += __syncthreads_count(is_long);
+  }
+  return total >= p.route_long_rows;
+}
+
+// Whether a routed launch's cluster kernel takes this row (uniform over the block: one row's window).
+// `long_rows_stream`: routed_long_rows_stream of the launch (kept in shared memory by the kernels: a register live
+// across the row loop costs the 64-register kernels spills).
+__device__ __forceinline__ bool route_to_clusters(const Params& p, int start, int end, bool long_rows_stream) {
+  if (end - start <= p.k || end - (start & ~3) <= kSoloMaxSpan) return false;
+  return end - start <= p.route_long_cols || !long_rows_stream;
 }
 
 // The inclusive prefix sum of `v` over the warp's lanes (every lane takes part).
@@ -227,6 +261,43 @@ __device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift
   prefix = shift >= 32 ? 0u : hi >> shift;
 }
 
+// The first radix level's digit: a window of exponents. Real logits crowd into few of the top 11 key bits (sign,
+// exponent, 2 mantissa bits: on real V3.2 decode logits, 8K columns fill ~100 of those bins, the fullest with ~440
+// keys), and the shared-memory atomics on a full bin serialise. This digit keeps the sign, the exponents 2^-15 ..
+// 2^15 and 5 mantissa bits (32 bins an octave, like fp16's top bits: ~560 bins filled, the fullest ~70), with one
+// clamp bin each for magnitudes below and above that window. It is monotone in the key, so the bins still order the
+// keys, and each in-window bin is exactly the keys sharing a 14-bit prefix (shift kWindowShift): the levels below
+// go on from there as before. A clamp bin is no such prefix: a row whose k-th key lies in one (logits all beyond
+// 2^15 or below 2^-15 in magnitude) runs the plain levels from bit 31 after it, on the whole row.
+constexpr int kWindowShift = 18;        // key >> 18: sign, 8 exponent bits, 5 mantissa bits
+constexpr int kWindowLowExp = 112;      // biased fp32 exponent of 2^-15
+constexpr int kWindowBinsPerSide = 31 * 32;  // 31 exponents x 32 mantissa steps, between the two clamp bins
+static_assert(2 * (kWindowBinsPerSide + 2) <= kBins, "the window's bins fit one histogram");
+
+__device__ __forceinline__ int window_bin(unsigned key) {
+  const unsigned p14 = key >> kWindowShift;
+  const int low13 = (int)(p14 & 0x1fffu);  // exponent and 5 mantissa bits (negatives: inverted, as the key)
+  if (p14 & 0x2000u) {  // >= +0: bins 1024 (below the window) .. 1025 + off .. 2047 (above)
+    const int off = low13 - (kWindowLowExp << 5);
+    return off < 0 ? kBins / 2 : off >= kWindowBinsPerSide ? kBins - 1 : kBins / 2 + 1 + off;
+  }
+  const int off = (0x1fff - low13) - (kWindowLowExp << 5);  // of the magnitude
+  return off < 0 ? kBins / 2 - 1 : off >= kWindowBinsPerSide ? 0 : kBins / 2 - 2 - off;
+}
+
+// The 14-bit key prefix of window bin `bin`; false for a clamp bin (no single prefix).
+__device__ __forceinline__ bool window_prefix(int bin, unsigned& prefix) {
+  if (bin > kBins / 2 && bin <= kBins / 2 + kWindowBinsPerSide) {
+    prefix = 0x2000u | (unsigned)((kWindowLowExp << 5) + bin - (kBins / 2 + 1));
+    return true;
+  }
+  if (bin < kBins / 2 - 1 && bin >= kBins / 2 - 1 - kWindowBinsPerSide) {
+    prefix = (unsigned)(0x1fff - ((kWindowLowExp << 5) + (kBins / 2 - 2 - bin)));
+    return true;
+  }
+  return false;
+}
+
 // Columns [c_lo, c_hi) of a row into L2 (a 128-byte line per thread and step), issued before the row's window is
 // read: otherwise the kernel's first global read (ends) and its first loads of the row are two DRAM round trips
 // in a row (~2 us each after the L2 is flushed). Prefetches fill no register and cannot change a result; they
@@ -241,7 +312,7 @@ __device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, in
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
 // STAGED: the positions go through shared memory (coalesced writes); off where it costs spills (KPT 32 in 64
 // registers: the register kernel's 16K-column chunks).
-template <int KPT, bool STAGED = (KPT <= 16)>
+template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false>
 __device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
                                                      int* out_row, int rank, int csize, cg::cluster_group& cluster,
                                                      Shared& s) {
@@ -297,7 +368,24 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     int shift = 32;
     int k_rem = p.k;
     bool tie = false;      // the class is one exact key with more members than needed: break by column
-    while (true) {
+    bool done = false;
+    if (WINDOW) {  // level 0: the exponent window (window_bin)
+      int* h = s.hist[0];
+#pragma unroll
+      for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
+        if (key[e] != 0u) atomicAdd(&h[window_bin(key[e])], 1);
+      }
+      int bin, need, count;
+      find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count);
+      ++level;
+      if (window_prefix(bin, prefix)) {  // uniform: every CTA found the same bin
+        shift = kWindowShift;
+        k_rem = need;
+        done = count == need;
+      }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
+    }
+    while (!done) {
       const int nshift = shift > kBinBits ? shift - kBinBits : 0;
       const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
       int* h = s.hist[level & 1];
@@ -414,17 +502,22 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 
 // The select of a row whose window one CTA holds (span = end - (start & ~3) <= 32 * 512 columns), by this CTA
 // alone, with the fewest keys per thread that hold it (KPT_MAX bounds them: the caller's register budget).
+#ifndef DSA_TOPK_SOLO_WINDOW
+#define DSA_TOPK_SOLO_WINDOW 0
+#endif
+constexpr bool kSoloWindow = DSA_TOPK_SOLO_WINDOW;  // (a define so that a benchmark build can compare both)
 template <int KPT_MAX>
 __device__ __forceinline__ void registers_select_row_solo(const Params& p, const float* x_row, int start, int end,
                                                           int req, int* out_row, cg::cluster_group& cluster,
                                                           Shared& s) {
   const int span = end - (start & ~3);
   if (KPT_MAX >= 8 && span <= 8 * kThreads) {
-    registers_select_row<8>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<8, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
-    registers_select_row<(KPT_MAX >= 16 ? 16 : 8)>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1,
+                                                                       cluster, s);
   } else {
-    registers_select_row<KPT_MAX, true>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<KPT_MAX, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   }
 }
 
@@ -442,12 +535,18 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   const int csize = (int)cluster.num_blocks();
   const int t = threadIdx.x;
   int solo_turn = 0;  // solo rows this cluster has met so far: the next one goes to rank solo_turn % csize
+  __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
+  if (p.route != 0) {
+    const bool v = routed_long_rows_stream(p);  // the same in every thread
+    long_rows_stream = v;  // (every thread writes the same value and reads back its own write)
+  }
 
   for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
     if (KPT <= 16 && p.starts == nullptr)  // this CTA's chunk of a full row (KPT 32: no registers to spare)
       prefetch_row_l2(p.x + (long long)row * p.x_stride, rank * kChunk, min(p.cols, (rank + 1) * kChunk));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
+    if (p.route == 2 && !route_to_clusters(p, start, end, long_rows_stream != 0)) continue;  // the streaming kernel's
     const int req = p.row_request != nullptr ? p.row_request[row] : row;
     int* out_row = p.out + (long long)row * p.k;
     const int width = end - start;
@@ -488,7 +587,6 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
 // 4. the selected columns set bits of a shared bitmap (atomicOr: order-free), and a block scan over the bitmap
 //    writes them in ascending column order, so the output is bitwise repeatable whatever the atomics' order.
 constexpr int kStreamCandCap = 6144;
-constexpr int kSoloMaxSpan = 32 * kThreads;  // rows one register-kernel CTA holds are selected that way
 constexpr int kStreamMaxCols = 1 << 18;  // bitmap of 8K words; below 2^kColBits for the column tie-break
 constexpr int kStreamSampleVecs = 4;     // float4s per thread in the sample
 constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
@@ -550,11 +648,20 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   cg::cluster_group cluster = cg::this_cluster();  // a cluster of one: find_bin uses block barriers only
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
 
+  __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
+  if (p.route != 0) {
+    if (p.starts == nullptr && blockIdx.x < p.rows)  // the first row's columns first (the count reads every end)
+      prefetch_row_l2(p.x + (long long)blockIdx.x * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
+    const bool v = routed_long_rows_stream(p);
+    long_rows_stream = v;
+  }
+
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
     if (p.starts == nullptr)  // the columns a short row's select reads, the first of a long row's pass
       prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
+    if (p.route == 1 && route_to_clusters(p, start, end, long_rows_stream != 0)) continue;  // the cluster kernel's
     const int req = p.row_request != nullptr ? p.row_request[row] : row;
     int* out_row = p.out + (long long)row * p.k;
     const int width = end - start;
@@ -1260,6 +1367,46 @@ cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t str
   return cudaLaunchKernelEx(&config, topk_registers_kernel<KPT>, p);
 }
 
+// A routed launch's second stream and its fork / join events, one set per host thread and device (created at first
+// use, never destroyed: a captured graph may refer to them). The cluster kernel runs on the second stream, side by
+// side with the streaming kernel on the caller's: inside a CUDA graph the two are parallel branches.
+struct RouteStreams {
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+cudaError_t route_streams(RouteStreams*& out) {
+  constexpr int kMaxDevices = 64;
+  thread_local RouteStreams per_device[kMaxDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  RouteStreams& r = per_device[device];
+  if (r.side == nullptr) {
+    if ((err = cudaStreamCreateWithFlags(&r.side, cudaStreamNonBlocking)) != cudaSuccess) return err;
+    if ((err = cudaEventCreateWithFlags(&r.fork, cudaEventDisableTiming)) != cudaSuccess) return err;
+    if ((err = cudaEventCreateWithFlags(&r.join, cudaEventDisableTiming)) != cudaSuccess) return err;
+  }
+  out = &r;
+  return cudaSuccess;
+}
+
+template <int KPT>
+cudaError_t launch_routed(Params p, int cluster, int stream_grid, cudaStream_t stream) {
+  RouteStreams* r = nullptr;
+  cudaError_t err = route_streams(r);
+  if (err != cudaSuccess) return err;
+  if ((err = cudaEventRecord(r->fork, stream)) != cudaSuccess) return err;
+  if ((err = cudaStreamWaitEvent(r->side, r->fork, 0)) != cudaSuccess) return err;
+  p.route = 2;
+  if ((err = launch<KPT>(p, cluster, p.rows, r->side)) != cudaSuccess) return err;
+  p.route = 1;
+  if ((err = launch_stream(p, stream_grid, stream)) != cudaSuccess) return err;
+  if ((err = cudaEventRecord(r->join, r->side)) != cudaSuccess) return err;
+  return cudaStreamWaitEvent(stream, r->join, 0);
+}
+
 }  // namespace
 
 extern "C" {
@@ -1286,6 +1433,29 @@ int dsa_topk_registers_launch(const float* x, long long x_stride, int rows, int 
     case 8: err = launch<8>(p, cluster, grid_rows, (cudaStream_t)stream); break;
     case 16: err = launch<16>(p, cluster, grid_rows, (cudaStream_t)stream); break;
     case 32: err = launch<32>(p, cluster, grid_rows, (cudaStream_t)stream); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+  if (err != cudaSuccess) return (int)err;
+  return (int)cudaGetLastError();
+}
+
+// The routed launch (see Params::route): the register kernel (`cluster` CTAs of `keys_per_thread` keys per thread
+// per row, rows <= 65535) on a second stream takes the rows longer than one CTA holds (> 16K columns) and, while
+// fewer than `long_rows` rows are longer than `long_cols`, the long ones too; the streaming kernel on `stream` takes
+// the rest. Returns after both are enqueued and `stream` waits for the second one (a graph captures the fork and the
+// join). Rows of at most dsa_topk_stream_max_cols() columns.
+int dsa_topk_routed_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
+                           const int* ends, const int* block_table, long long bt_stride, const int* row_request,
+                           int* out, int cluster, int keys_per_thread, int aligned, int long_cols, int long_rows,
+                           void* stream) {
+  if (cols > kStreamMaxCols || rows > 65535) return (int)cudaErrorInvalidValue;
+  Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned, 0, long_cols,
+           long_rows};
+  cudaError_t err;
+  switch (keys_per_thread) {
+    case 8: err = launch_routed<8>(p, cluster, rows, (cudaStream_t)stream); break;
+    case 16: err = launch_routed<16>(p, cluster, rows, (cudaStream_t)stream); break;
+    case 32: err = launch_routed<32>(p, cluster, rows, (cudaStream_t)stream); break;
     default: return (int)cudaErrorInvalidValue;
   }
   if (err != cudaSuccess) return (int)err;
