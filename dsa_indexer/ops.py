@@ -108,10 +108,19 @@ class DeclaredOp:
         @functools.wraps(check)
         def public(*args: Any, target: Target | str | None = None, **kwargs: Any) -> Any:
             explicit = None if target is None else _target_arg(target)
-            args = check(*args, **kwargs)  # as `arguments`, inline: this is the per-call path
+            # As `arguments`, inline: this is the per-call path (an empty ``**kwargs`` passed on costs a dict merge).
+            args = check(*args, **kwargs) if kwargs else check(*args)
             if fp8_at is not None and args[fp8_at] is None:
                 args = (*args[:fp8_at], _target_for(args[0], explicit).fp8_dtype, *args[fp8_at + 1:])
-            out = compiled(*args, target=explicit) if _compiling() else run(*args, target=explicit)
+            if _compiling():
+                out = compiled(*args, target=explicit)
+            elif explicit is None:  # `run` for the tensor's own target, inline: one call less on the usual path
+                found = problems.get(facts(*args))
+                key = (name, target_of_tensor(args[0]), found if found is not None else problem_of(*args))
+                bound = default_registry().bindings.get(key)
+                out = (bound if bound is not None else bind(*key)).fn(*args)
+            else:
+                out = run(*args, target=explicit)
             return out if finish is None else finish(out, args, explicit)
 
         signature = inspect.signature(check)

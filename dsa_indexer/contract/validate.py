@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextvars
 import os
 
-from typing import Iterable, Sequence
+from typing import Iterable, NoReturn, Sequence
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from ..envflags import env_flag
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CHECK_RANGES_ENV = "DSA_INDEXER_CHECK_RANGES"
+_compiling = torch.compiler.is_compiling  # the function itself (Dynamo knows it): one attribute lookup less per call
 INT32_MAX = 2**31 - 1  # indices, slots and block-table entries are int32
 
 
@@ -30,23 +31,43 @@ def tensor(name: str, value: object, *, dtype: torch.dtype | Sequence[torch.dtyp
            ndim: int | None = None, shape: Sequence[int | None] | None = None, device: torch.device | None = None,
            contiguous: bool = False) -> torch.Tensor:
     """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
+    # Every public call runs this a few times (benchmarks/dispatch_overhead.py): the success path reads each tensor
+    # property once and builds nothing; the messages are built only where a check fails (`_refuse_tensor`).
     if not isinstance(value, torch.Tensor):
         raise IndexerInputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if dtype is not None and (value.dtype != dtype if isinstance(dtype, torch.dtype) else value.dtype not in dtype):
-        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        raise IndexerInputError(f"{name} must have dtype {_dtype_names(allowed)}, got {str(value.dtype).replace('torch.', '')}")
-    if ndim is not None and value.dim() != ndim:
-        raise IndexerInputError(f"{name} must have {ndim} dims, got shape {list(value.shape)}")
+    if dtype is not None:
+        got = value.dtype  # dtypes are singletons: ``is`` is the equality test, a tuple of them never matches it
+        if got is not dtype and (type(dtype) is torch.dtype or got not in dtype):
+            _refuse_tensor(name, value, dtype=dtype)
+    if ndim is not None and value.ndim != ndim:
+        _refuse_tensor(name, value, ndim=ndim)
     # A torch.Size equals the tuple of its sizes: the exact comparison first, the wildcard one only where it fails.
     if shape is not None and value.shape != shape:
-        if value.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise IndexerInputError(f"{name} must have shape {want}, got {list(value.shape)}")
+        if value.ndim != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            _refuse_tensor(name, value, shape=shape)
     if device is not None and value.device != device:
-        raise IndexerInputError(f"{name} is on {value.device} but the other inputs are on {device}")
+        _refuse_tensor(name, value, device=device)
     if contiguous and not value.is_contiguous():
-        raise IndexerInputError(f"{name} must be contiguous")
+        _refuse_tensor(name, value, contiguous=True)
     return value
+
+
+def _refuse_tensor(name: str, value: torch.Tensor, *, dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+                   ndim: int | None = None, shape: Sequence[int | None] | None = None,
+                   device: torch.device | None = None, contiguous: bool = False) -> NoReturn:
+    """`tensor`'s error for the one check that failed (the keyword given)."""
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        raise IndexerInputError(f"{name} must have dtype {_dtype_names(allowed)}, got "
+                                f"{str(value.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        raise IndexerInputError(f"{name} must have {ndim} dims, got shape {list(value.shape)}")
+    if shape is not None:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise IndexerInputError(f"{name} must have shape {want}, got {list(value.shape)}")
+    if device is not None:
+        raise IndexerInputError(f"{name} is on {value.device} but the other inputs are on {device}")
+    raise IndexerInputError(f"{name} must be contiguous")
 
 
 def positive_int(name: str, value: object) -> int:
@@ -57,6 +78,8 @@ def positive_int(name: str, value: object) -> int:
 
 def index_count(name: str, value: object) -> int:
     """A positive int that sizes an int32 index space (a top-k width): past ``INT32_MAX`` no index could name it."""
+    if type(value) is int and 0 < value <= INT32_MAX:  # the usual k in one test (a bool's type is not int)
+        return value
     positive_int(name, value)
     if value > INT32_MAX:
         raise IndexerInputError(f"{name}={value} is past the int32 index limit {INT32_MAX} (indices are int32)")
@@ -224,15 +247,15 @@ _FEW = 16  # elements up to which a CPU range check reads the values as Python n
 
 def in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None:
     """Every element of ``t`` in ``[low, high)``; ``what`` says what the bound is."""
-    n = t.numel()
-    if n == 0:
-        return
-    if not torch.compiler.is_compiling() and n <= _FEW and t.is_cpu and t.dim() == 1 and not CPU_AS_DEVICE.get():
-        # `ranges_checked`'s CPU case, inline (the per-call path of every op): a few host values are read as Python
-        # numbers (0.5 us) rather than by two reductions (3 us).
+    # `ranges_checked`'s CPU case, inline (the per-call path of every op): a few host values are read as Python
+    # numbers (0.5 us) rather than by two reductions (3 us). The flag reads come first and the compile test before
+    # the context variable and the size, as torch.compile traces neither (values are symbolic there).
+    if t.is_cpu and t.ndim == 1 and not _compiling() and not CPU_AS_DEVICE.get() and t.numel() <= _FEW:
         values = t.tolist()
+        if not values:
+            return
         lo, hi = min(values), max(values)
-    elif not ranges_checked(t):
+    elif t.numel() == 0 or not ranges_checked(t):
         return
     else:
         lo, hi = (int(bound) for bound in torch.aminmax(t))  # one reduction for both bounds

@@ -176,10 +176,13 @@ def target_of_tensor(tensor: torch.Tensor, target: Target | None = None) -> Targ
     its target), else the user's override, else the tensor's hardware. The hot path: all three are cached."""
     if target is not None:
         return target
-    override = _environment_override()
+    # Both caches read here, not through their functions: this runs on every public call (two calls less).
+    override = _env_target if _env_target is not _UNREAD else _environment_override()
     if override is not None:
-        return override
-    return _detect_hardware(tensor.device)
+        return override  # type: ignore[return-value]
+    device = tensor.device
+    detected = _detected.get(device)
+    return detected if detected is not None else _detect_hardware(device)
 
 
 def known_targets() -> tuple[Target, ...]:
