@@ -18,12 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# The tree this script is in, not an installed copy of the package: a timing is of the code beside it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsa_indexer import ops
-from dsa_indexer.dispatch.plugins import default_registry
-from dsa_indexer.dispatch.problem import Problem
-from dsa_indexer.dispatch.target import target_of_tensor
+import torch  # noqa: E402
+
+from dsa_indexer import ops  # noqa: E402
+from dsa_indexer.dispatch.plugins import default_registry  # noqa: E402
+from dsa_indexer.dispatch.problem import Problem  # noqa: E402
+from dsa_indexer.dispatch.target import target_of_tensor  # noqa: E402
 
 
 def per_call_us(fn, loops=2000, repeats=15) -> float:
