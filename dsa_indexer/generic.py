@@ -1,23 +1,26 @@
-"""Generic compositions that run on every target by calling the ops through the registry.
+"""Generic compositions that run on every target: each declares the ops it calls and receives them bound.
 
 They are not kernels, so they live beside the pipeline rather than in a backend (the single-stream pipeline
 strategies register from `pipeline.py` itself): the composed lightning indexers (paged or ragged logits, then
 top-k, each resolved on its own, so the best logits kernel and the best top-k of a target combine where no backend
-fuses them). They register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends`
+fuses them). Each declares the ops it uses and the problem it calls each with (`Implementation.uses`); the registry
+binds those for the target and problem the composition was chosen for and hands them to its factory, so a call
+reaches the inner kernels directly, and forcing an inner op (which changes the registry) rebinds the composition.
+They register through the same plugin hook as the backends (an entry point of `dsa_indexer.backends`
 in pyproject.toml).
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
-from . import ops
 from .contract.cache import decode_row_requests
 from .contract.step import STEP_CONTEXT_INFO, StepContext, takes_step_context
-from .dispatch.bind import bind
 from .dispatch.plugins import hookimpl
-from .dispatch.registry import Registry
-from .dispatch.target import Target
+from .dispatch.problem import Problem
+from .dispatch.registry import Bound, Registry
 from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 
 COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
@@ -26,55 +29,63 @@ COMPOSED_PRIORITY = 1  # above the pure-torch oracle (0), below any fused kernel
 RAGGED_COMPOSED_PRIORITY = 2
 
 
-class InnerOps:
-    """A composition's inner op calls, each bound once per (registry state, target, problem facts) (`dispatch.bind`)
-    and then called directly: the warm path computes the facts (one generated function), makes one dict lookup, and
-    hashes no `Target` or `Problem`. The entry keeps its target alive, so the key's ``id(target)`` stays that
-    object's. ``context``: the step's (`contract.step.StepContext`), handed to an inner kernel that takes it."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.registry = registry
-        self._memo: dict[tuple, tuple] = {}
-
-    def call(self, op: str, target: Target, *args, context: StepContext | None = None):
-        declared = ops.OPERATORS[op]
-        key = (self.registry.generation, id(target), op, declared.facts(*args))
-        entry = self._memo.get(key)
-        if entry is None:
-            if len(self._memo) >= 256:  # stale generations are never asked for again
-                self._memo.clear()
-            bound = bind(op, target, declared.problem(*args), self.registry)
-            entry = self._memo[key] = (target, bound.fn, takes_step_context(bound.info))
-        if context is not None and entry[2]:
-            return entry[1](*args, context=context)
-        return entry[1](*args)
+def inner_problem(outer: Problem, facts: Mapping[str, str], **fixed) -> Problem:
+    """The problem of an inner op: its fact ``inner`` is the outer problem's fact ``facts[inner]``, each ``fixed``
+    one is set. A fact the outer problem does not carry (a coarse problem, e.g. the CLI's) stays out, as it would
+    of a problem made for the inner op directly."""
+    return Problem(**{inner: outer[name] for inner, name in facts.items() if name in outer}, **fixed)
 
 
-def make_lightning_indexer_composed(inner: InnerOps):
+# What each composition calls, and with which problem (`Implementation.uses`). Every fact of an inner op's problem
+# comes from the outer op's: the paged cache's facts (including its page count) are the lightning indexer's own;
+# its top-k reads logits from column 0 (no starts), its ragged top-k from each row's start.
+_PAGED_FACTS = {fact: fact for fact in ("heads", "dim", "next_n", "fp8", "keys", "pages")}
+_RAGGED_FACTS = {fact: fact for fact in ("heads", "dim", "fp8", "keys")}
+LIGHTNING_INDEXER_USES = {
+    "paged_mqa_logits": lambda outer: inner_problem(outer, _PAGED_FACTS),
+    "topk_indices": lambda outer: inner_problem(outer, {"k": "k", "slots": "slots"}, starts=False),
+}
+RAGGED_MQA_TOPK_USES = {
+    "ragged_mqa_logits": lambda outer: inner_problem(outer, _RAGGED_FACTS),
+    "topk_indices": lambda outer: inner_problem(outer, {"k": "k"}, slots=False, starts=True),
+}
+
+
+def make_lightning_indexer_composed(paged_mqa_logits: Bound, topk_indices: Bound):
+    """The composed lightning indexer over its inner ops, bound for its target and problem (`LIGHTNING_INDEXER_USES`):
+    each call reaches the two kernels directly."""
+    logits_of, topk = paged_mqa_logits.fn, topk_indices.fn
+    logits_take_context = takes_step_context(paged_mqa_logits.info)
+
     def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                                    context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                                   k: int, return_slots: bool = False, *, target: Target,
+                                   k: int, return_slots: bool = False, *,
                                    context: StepContext | None = None) -> torch.Tensor:
-        """``topk_indices(paged_mqa_logits(...))``, each resolved for ``target`` (the one the outer call was
-        resolved for); the arguments were checked by the outer op or the Indexer. ``context``: the step's, handed
-        to the logits (DeepGEMM's schedule, once per step) and giving the row map."""
-        logits = inner.call("paged_mqa_logits", target, q, kv_cache, weights, context_lens, block_table,
-                            max_context_len, context=context)
+        """``topk_indices(paged_mqa_logits(...))``, each bound for the outer call's target (the arguments were
+        checked by the outer op or the Indexer). ``context``: the step's, handed to the logits (DeepGEMM's schedule,
+        once per step) and giving the row map."""
+        if context is not None and logits_take_context:
+            logits = logits_of(q, kv_cache, weights, context_lens, block_table, max_context_len, context=context)
+        else:
+            logits = logits_of(q, kv_cache, weights, context_lens, block_table, max_context_len)
         ends = context_lens.reshape(-1)
         if not return_slots:
-            return inner.call("topk_indices", target, logits, k, ends, None, None, None)
+            return topk(logits, k, ends, None, None, None)
         rows = (decode_row_requests(q.shape[0], q.shape[1], q.device) if context is None
                 else context.row_requests(q.shape[0], q.shape[1], q.device))
-        return inner.call("topk_indices", target, logits, k, ends, None, block_table, rows)
+        return topk(logits, k, ends, None, block_table, rows)
 
     return lightning_indexer_composed
 
 
-def make_ragged_mqa_topk_composed(inner: InnerOps):
-    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *, target: Target) -> torch.Tensor:
-        """``topk_indices(ragged_mqa_logits(...))``, each resolved for ``target`` (the [S, N] logits in memory)."""
-        logits = inner.call("ragged_mqa_logits", target, q, k, k_scales, weights, ks, ke)
-        return inner.call("topk_indices", target, logits, topk, ke, ks, None, None)
+def make_ragged_mqa_topk_composed(ragged_mqa_logits: Bound, topk_indices: Bound):
+    """The composed prefill scoring over its inner ops, bound for its target and problem (`RAGGED_MQA_TOPK_USES`)."""
+    logits_of, select = ragged_mqa_logits.fn, topk_indices.fn
+
+    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int) -> torch.Tensor:
+        """``topk_indices(ragged_mqa_logits(...))``, each bound for the outer call's target (the [S, N] logits in
+        memory)."""
+        return select(logits_of(q, k, k_scales, weights, ks, ke), topk, ke, ks, None, None)
 
     return ragged_mqa_topk_composed
 
@@ -92,14 +103,13 @@ COMPOSED_VERIFIED = (CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02", "benchma
 
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
-    inner = InnerOps(registry)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
                             priority=RAGGED_COMPOSED_PRIORITY,
                             description="ragged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True,
-                            verified=RAGGED_COMPOSED_VERIFIED)(lambda: make_ragged_mqa_topk_composed(inner))
+                            uses=RAGGED_MQA_TOPK_USES,
+                            verified=RAGGED_COMPOSED_VERIFIED)(make_ragged_mqa_topk_composed)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True, info={STEP_CONTEXT_INFO: True},
-                            verified=COMPOSED_VERIFIED)(lambda: make_lightning_indexer_composed(inner))
+                            uses=LIGHTNING_INDEXER_USES, info={STEP_CONTEXT_INFO: True},
+                            verified=COMPOSED_VERIFIED)(make_lightning_indexer_composed)

@@ -619,11 +619,13 @@ class Indexer(nn.Module):
         return tuple((p.data_ptr(), _version_of(p)) if p is not None else None for p in parts)
 
     def step_plan(self, tokens: int, decode: bool, *, has_quant: bool = False, cache_layout: str = LAYOUT_PAGED64,
-                  next_n: int = 1, dtype: torch.dtype | None = None, logits_pages: int | None = None) -> StepPlan:
+                  next_n: int = 1, dtype: torch.dtype | None = None, logits_pages: int | None = None,
+                  cache_pages: int | None = None) -> StepPlan:
         """The plan of a step of ``tokens`` rows (`dsa_indexer.plan`): every kernel the step runs, bound for this
         problem class (role -> `Bound`), the weights in the forms the step reads and the GEMM layouts.
         ``logits_pages``: a plan for the decode-logits seam (`decode_logits`), whose paged logits take the cache's
-        page count as a fact. Built once and kept while the weights, the target, the registry's resolutions and
+        page count as a fact. ``cache_pages``: a decode step's cache page count, a fact of its scorer (the composed
+        one binds its paged logits with it; None: a plan made without a cache). Built once and kept while the weights, the target, the registry's resolutions and
         the knobs (``fuse_x_projections``, ``allow_unrounded_q_lora_quant``, ``fp4_prefill_keys``) stay as they
         were."""
         registry = self._registry
@@ -634,18 +636,18 @@ class Indexer(nn.Module):
         # id(target): the indexer keeps its Target (and a plan its own), so the id stays that object's.
         key = (id(registry), registry.generation, id(target), bucket, decode, has_quant, cache_layout, next_n,
                dtype or self.dtype, self.fuse_x_projections, self.allow_unrounded_q_lora_quant, self._weights_key(),
-               self._scale_fmt_epoch, self.fp4_prefill_keys, logits_pages)
+               self._scale_fmt_epoch, self.fp4_prefill_keys, logits_pages, cache_pages)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 64:  # stale keys (old weights, old generations) are never asked for again
                 self._plans.clear()
             problem = Problem(tokens=bucket, decode=decode, q_lora_quant=has_quant, cache=cache_layout)
             plan = self._plans[key] = self._build_plan(registry, problem, cache_layout, dtype or self.dtype, next_n,
-                                                       logits_pages)
+                                                       logits_pages, cache_pages)
         return plan
 
     def _build_plan(self, registry, problem: Problem, cache_layout: str, dtype: torch.dtype, next_n: int = 1,
-                    logits_pages: int | None = None) -> StepPlan:
+                    logits_pages: int | None = None, cache_pages: int | None = None) -> StepPlan:
         """Bind every role of the step (`dsa_indexer.plan`), each for a problem made from the facts given here."""
         cfg, target = self.config, self.target
         decode = problem["decode"]
@@ -686,7 +688,8 @@ class Indexer(nn.Module):
             roles[quant] = quant_role(layout, width, f"{name}_gemm's input, in the layout it takes")
         roles.update(q_and_k_roles(cfg, fp8, cache_layout, plain_format, weights, self.fuse_x_projections, wk_fp8))
         prefill_keys = "fp8" if decode else self._prefill_keys(cache_layout, registry)
-        scoring, role = scoring_role(cfg, fp8, decode, next_n, cache_layout, plain_format, prefill_keys, logits_pages)
+        scoring, role = scoring_role(cfg, fp8, decode, next_n, cache_layout, plain_format, prefill_keys, logits_pages,
+                                     cache_pages)
         roles[scoring] = role
         for name, role in roles.items():
             kernels[name] = bind(role.op, target, role.problem, registry)
@@ -870,7 +873,8 @@ class Indexer(nn.Module):
         context = self._step_context(context, batch, x)
         decode = isinstance(batch, DecodeBatch)
         plan = self.step_plan(x.shape[0], decode, has_quant=q_lora_quant is not None, cache_layout=cache.layout,
-                              next_n=batch.next_n if decode else 1, dtype=x.dtype)
+                              next_n=batch.next_n if decode else 1, dtype=x.dtype,
+                              cache_pages=cache.num_pages if decode else None)
         self.last_pipeline = plan.pipeline
         key_store = (batch.slot_mapping if self.compressor is None
                      else self.compression_step(batch, compressor_state))

@@ -230,10 +230,12 @@ def q_and_k_roles(config: IndexerConfig, fp8: str, cache_layout: str, plain_form
 
 
 def scoring_role(config: IndexerConfig, fp8: str, decode: bool, next_n: int, cache_layout: str,
-                 plain_format: str | None, prefill_keys: str, logits_pages: int | None) -> tuple[str, Role]:
+                 plain_format: str | None, prefill_keys: str, logits_pages: int | None,
+                 cache_pages: int | None = None) -> tuple[str, Role]:
     """The step's scoring role: "score" (decode: `lightning_indexer`; prefill: `ragged_mqa_topk` per chunk; a plain
     layout: `lightning_indexer_ragged`), or for a plan of the decode-logits seam (``logits_pages``: the cache's page
-    count, a fact of the paged logits) "logits", `paged_mqa_logits`."""
+    count, a fact of the paged logits) "logits", `paged_mqa_logits`. ``cache_pages``: the decode cache's page count,
+    a fact of `lightning_indexer` (None: a plan made without a cache, `Indexer.explain_step`)."""
     cfg = config
     keys = "fp4" if cache_layout == LAYOUT_PAGED64_FP4 else "fp8"
     if logits_pages is not None:
@@ -247,7 +249,7 @@ def scoring_role(config: IndexerConfig, fp8: str, decode: bool, next_n: int, cac
     if decode:
         return "score", Role("lightning_indexer", role_problem(
             "lightning_indexer", heads=cfg.n_heads, dim=cfg.head_dim, next_n=next_n, k=cfg.topk, fp8=fp8,
-            slots=False, keys=keys), "decode: paged logits and top-k")
+            slots=False, keys=keys, pages=cache_pages), "decode: paged logits and top-k")
     return "score", Role("ragged_mqa_topk", role_problem(
         "ragged_mqa_topk", heads=cfg.n_heads, dim=cfg.head_dim, fp8=fp8, k=cfg.topk, keys=prefill_keys),
         f"prefill: logits and top-k per chunk over the gathered {prefill_keys} keys")

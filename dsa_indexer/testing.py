@@ -607,13 +607,22 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
     decl = DECLARED[op]
     reference = _reference_function(registry, op)
     cases = cases if cases is not None else sample_arguments(op, device, seed, target.fp8_dtype)
-    try:
-        fn = impl.factory()
-    except Exception as exc:  # noqa: BLE001 - reported as the check's failure
-        raise ConformanceError(f"{impl_id}: factory failed: {type(exc).__name__}: {exc}") from exc
-    if not callable(fn):
-        raise ConformanceError(f"{impl_id}: factory returned {fn!r}, not a callable")
-    extra = {"target": target} if impl.takes_target else {}
+    # A composition is built per problem (its factory takes the ops it uses, bound for the target and problem).
+    built = {}
+
+    def build(problem):
+        key = problem if impl.uses else None
+        if key not in built:
+            try:
+                built[key] = registry.composition(impl, target, problem) if impl.uses else impl.factory()
+            except Exception as exc:  # noqa: BLE001 - reported as the check's failure
+                raise ConformanceError(f"{impl_id}: factory failed: {type(exc).__name__}: {exc}") from exc
+            if not callable(built[key]):
+                raise ConformanceError(f"{impl_id}: factory returned {built[key]!r}, not a callable")
+        return built[key]
+
+    if not impl.uses:
+        build(None)  # a broken factory fails the check before any case
     lines, failures, skipped = [], [], []
     checked = ops_module.OPERATORS[op].arguments  # the public op's checks, which name the bad argument
     for label, args in cases.items():
@@ -630,7 +639,7 @@ def check_implementation(impl_id: str, *, cases: dict[str, tuple] | None = None,
         want_args, got_args = _clone(args), _clone(args)
         want = reference(*want_args)
         try:
-            got = fn(*got_args, **extra)
+            got = build(problem)(*got_args)
         except Exception as exc:  # noqa: BLE001 - reported as the case's failure
             failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
             continue

@@ -401,7 +401,8 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 
 @declare(facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "k": "k",
                 "fp8": "fp8_name(q.dtype)", "slots": "return_slots",
-                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'"},  # as paged_mqa_logits'
+                # the cache's facts as paged_mqa_logits' (the composition binds its paged logits with them)
+                "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'", "pages": "kv_cache.shape[0]"},
          fake=lambda q, k, **_: q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32),
          example=dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"))
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,

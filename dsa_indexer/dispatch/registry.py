@@ -15,7 +15,6 @@ Its ``verified`` records (`dispatch.verification`) say how far it was checked on
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import threading
 import warnings
@@ -36,11 +35,15 @@ STRICT_ENV = "DSA_INDEXER_STRICT"
 REFERENCE_VENDOR = "reference"
 
 Check = Callable[..., "str | list[str] | None"]  # None: yes; else the reason (a list: every failing fact)
+# A composition's inner problem: the problem its inner op is bound for, made from the problem it was chosen for.
+InnerProblem = Callable[[Problem], Problem]
 
 
 @dataclass(frozen=True, eq=False)
 class Implementation:
-    """One way to compute one op. ``factory()`` returns the callable; vendor imports belong inside it."""
+    """One way to compute one op. ``factory()`` returns the callable; vendor imports belong inside it. A composition
+    (``uses``) has ``factory(**inner)``: each op it uses, bound (`Bound`) for the target and problem it was chosen
+    for (`Registry.composition`)."""
 
     op: str
     impl_id: str
@@ -53,9 +56,10 @@ class Implementation:
     description: str = ""
     origin: str = "?"
     info: Mapping[str, Any] = field(default_factory=dict)  # op-specific facts, e.g. a GEMM's input layout
-    # A composition (it calls other ops) receives the resolved target as ``target=``, so its inner resolutions are
-    # made for the same target (and strict mode applies to them) instead of re-detecting from the tensors' device.
-    takes_target: bool = False
+    # A composition: op it calls -> the problem it calls that op with, from its own problem. Its factory receives
+    # those ops bound for the same target (strict mode, forcing and the fallback warning apply to them as to any
+    # op), so its calls reach the inner kernels directly, with no lookup, and never re-detect a target.
+    uses: Mapping[str, InnerProblem] = field(default_factory=dict)
     # The facts it takes, as data; checked before ``supports``, every failing fact reported at once.
     capabilities: Capabilities | None = None
     # How far it has been checked on which archs (`dispatch.verification`); an arch none covers reads as "read".
@@ -70,6 +74,7 @@ class Implementation:
         object.__setattr__(self, "targets", tuple(self.targets))
         object.__setattr__(self, "requires", tuple(self.requires))
         object.__setattr__(self, "verified", tuple(self.verified))
+        object.__setattr__(self, "uses", dict(self.uses))
         wrong = [v for v in self.verified if not isinstance(v, Verified)]
         if wrong:
             raise TypeError(f"{self.impl_id}: verified= takes dispatch.verification.Verified records, got {wrong!r}")
@@ -126,6 +131,7 @@ class Resolution:
                 "candidates": [{"impl": c.impl.impl_id, "priority": c.impl.priority, "accepted": c.accepted,
                                 "reason": c.reason} for c in self.candidates],
                 "info": {k: str(v) for k, v in (self.chosen.info.items() if self.chosen else ())},
+                "uses": list(self.chosen.uses) if self.chosen else [],
                 "capabilities": (self.chosen.capabilities.describe()
                                  if self.chosen is not None and self.chosen.capabilities is not None else None),
                 "failed_plugins": list(self.failed_plugins)}
@@ -145,11 +151,53 @@ class Resolution:
             lines.append(f"  => {self.chosen.impl_id}")
             for key, value in self.chosen.info.items():
                 lines.append(f"     {key}: {value}")
+            if self.chosen.uses:
+                lines.append(f"     uses: {', '.join(self.chosen.uses)} (each resolved for this target)")
             if self.chosen.capabilities is not None:
                 lines.append(f"     takes: {self.chosen.capabilities.takes_text()}")
         for failure in self.failed_plugins:
             lines.append(f"  failed plugin: {failure}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class Bound:
+    """One op bound for one target and problem (`Registry.bound`, `dispatch.bind.bind`): call it like the
+    implementation (the schema's arguments)."""
+
+    fn: Callable[..., Any]
+    resolution: Resolution
+    info: Mapping[str, Any]
+    generation: int  # the registry's `generation` when bound
+    registry: Registry = field(repr=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    @property
+    def op(self) -> str:
+        return self.resolution.op
+
+    @property
+    def target(self) -> Target:
+        return self.resolution.target
+
+    @property
+    def problem(self) -> Problem:
+        return self.resolution.problem
+
+    @property
+    def implementation(self) -> Implementation:
+        return self.resolution.chosen  # type: ignore[return-value] - a Bound exists only where one was chosen
+
+    @property
+    def impl_id(self) -> str:
+        return self.implementation.impl_id
+
+    @property
+    def current(self) -> bool:
+        """Whether the registry is unchanged since binding (else `bind` again: the choice may differ now)."""
+        return self.registry.generation == self.generation
 
 
 class FactoryResultError(RuntimeError):
@@ -190,7 +238,7 @@ class Registry:
         self._impls: dict[str, dict[str, Implementation]] = {}
         self._lock = threading.RLock()
         self._fn_cache: dict[tuple, tuple[Callable[..., Any], Resolution]] = {}
-        # (op, target, problem) -> its `dispatch.bind.Bound`: derived from the state above, so emptied with it.
+        # (op, target, problem) -> its `Bound` (`bound`): derived from the state above, so emptied with it.
         self.bindings: dict[tuple, Any] = {}
         self._resolution_cache: dict[tuple, Resolution] = {}
         self._factories: dict[str, Callable[..., Any]] = {}
@@ -229,14 +277,16 @@ class Registry:
     def implementation(self, op: str, *, impl_id: str, targets: Iterable[str], priority: int,
                        requires: Iterable[str] = (), available: Check | None = None, supports: Check | None = None,
                        description: str = "", origin: str = "?", info: Mapping[str, Any] | None = None,
-                       takes_target: bool = False, capabilities: Capabilities | None = None,
+                       uses: Mapping[str, InnerProblem] | None = None, capabilities: Capabilities | None = None,
                        verified: Iterable[Verified] = ()) -> Callable[[Callable], Callable]:
-        """Decorator form: the decorated function is the factory returning the kernel callable."""
+        """Decorator form: the decorated function is the factory returning the kernel callable (a composition's,
+        with ``uses``, takes the ops it uses bound: see `Implementation`)."""
 
         def wrap(factory: Callable[[], Callable]) -> Callable[[], Callable]:
             self.register(Implementation(op, impl_id, tuple(targets), priority, factory, tuple(requires), available,
                                          supports, description or (factory.__doc__ or "").strip().split("\n")[0],
-                                         origin, dict(info or {}), takes_target, capabilities, tuple(verified)))
+                                         origin, dict(info or {}), dict(uses or {}), capabilities,
+                                         tuple(verified)))
             return factory
 
         return wrap
@@ -398,11 +448,12 @@ class Registry:
         """`resolve`, with the chosen implementation's factory built (as the first call would build it): a factory
         that fails marks that implementation rejected with the reason and resolution moves on, so what
         `dsa-indexer info` / `explain` report is what a call runs. A simulated environment builds nothing (its
-        facts are assumptions; the vendor code behind them is not there to build)."""
+        facts are assumptions; the vendor code behind them is not there to build). A composition builds nothing of
+        its own: each op it uses is resolved on its own when it is bound (`composition`)."""
         env = environment or self.environment
         while True:
             res = self.resolve(op, target, problem, environment=env)
-            if res.chosen is None or env.simulated:
+            if res.chosen is None or env.simulated or res.chosen.uses:
                 return res
             try:
                 self._factory_result(res.chosen)
@@ -496,15 +547,19 @@ class Registry:
         registry changes (`generation`). A factory that fails (its vendor import is missing, say) or returns no
         callable marks that implementation rejected with the reason, warns once, and resolution moves on. An
         implementation that is not built in has its results' metadata checked (`dispatch.results`); a
-        composition (``takes_target``) receives the target."""
+        composition (``uses``) is built with its inner ops bound for this target and problem (`composition`)."""
         key = (op, target, problem)
         entry = self._fn_cache.get(key)
         if entry is not None:
             return entry
         while True:  # every pass returns or marks one more implementation broken, so it ends
             res = self.choose(op, target, problem)
+            # Outside the try: an inner op that cannot run here (strict mode, say) raises its own
+            # NoImplementationError, as its call would, instead of marking the composition broken.
+            inner = self._bind_used(res.chosen, target, problem) if res.chosen.uses else None
             try:
-                fn = self._factory_result(res.chosen)
+                fn = (self._factory_result(res.chosen) if inner is None
+                      else self._checked_callable(res.chosen.factory(**inner)))
             except BaseException as exc:  # noqa: BLE001 - a broken implementation must not take the caller down
                 if isinstance(exc, KeyboardInterrupt):
                     raise
@@ -514,8 +569,6 @@ class Registry:
                 continue
             if res.chosen.origin not in self.builtin_origins:
                 fn = results.checked(fn, res.chosen)  # metadata only: a plugin's wrong dtype or shape raises here
-            if res.chosen.takes_target:
-                fn = functools.partial(fn, target=target)
             self.used[key] = res
             entry = self._fn_cache[key] = (fn, res)
             return entry
@@ -534,13 +587,47 @@ class Registry:
             with self._lock:
                 fn = self._factories.get(impl.impl_id)
                 if fn is None:
-                    fn = impl.factory()
-                    if fn is None:
-                        raise FactoryResultError("factory returned None")
-                    if not callable(fn):
-                        raise FactoryResultError(f"factory returned a {type(fn).__name__}, not a callable")
-                    self._factories[impl.impl_id] = fn
+                    fn = self._factories[impl.impl_id] = self._checked_callable(impl.factory())
         return fn
+
+    @staticmethod
+    def _checked_callable(fn: Any) -> Callable[..., Any]:
+        if fn is None:
+            raise FactoryResultError("factory returned None")
+        if not callable(fn):
+            raise FactoryResultError(f"factory returned a {type(fn).__name__}, not a callable")
+        return fn
+
+    def _bind_used(self, impl: Implementation, target: Target, problem: Problem | None) -> dict[str, Bound]:
+        """The ops ``impl`` uses, each bound for ``target`` and the problem ``impl`` derives from ``problem``."""
+        outer = problem if problem is not None else Problem()
+        return {op: self.bound(op, target, inner_problem(outer)) for op, inner_problem in impl.uses.items()}
+
+    def composition(self, impl: Implementation, target: Target, problem: Problem | None = None) -> Callable[..., Any]:
+        """The callable of composition ``impl`` (``uses``) for ``target`` and ``problem``: its factory given the
+        ops it uses, bound (what a call that chooses it runs, less the results check of a plugin's; a conformance
+        check builds one per problem with this)."""
+        if not impl.uses:
+            raise ValueError(f"{impl.impl_id} is not a composition (it declares no ops it uses)")
+        return self._checked_callable(impl.factory(**self._bind_used(impl, target, problem)))
+
+    def bound(self, op: str, target: Target, problem: Problem | None = None) -> Bound:
+        """``op`` bound for ``target`` and ``problem`` (`dispatch.bind.bind`, which reads the default registry, is
+        the way library code asks): cached in ``bindings`` until the registry changes."""
+        key = (op, target, problem)
+        bound = self.bindings.get(key)
+        if bound is not None:
+            return bound
+        while True:
+            # The dict first, then the generation: a change in between empties a dict this bind then writes to in
+            # vain, never the fresh one with a stale Bound.
+            bindings, generation = self.bindings, self.generation
+            fn, resolution = self.chosen(op, target, problem)
+            if self.generation == generation:
+                break  # else a factory was found broken on the way (or another thread changed the registry): again
+        bound = Bound(fn, resolution, resolution.chosen.info, generation, self)
+        bindings[key] = bound
+        return bound
 
     def call(self, op: str, target: Target, problem: Problem | None, *args: Any, **kwargs: Any) -> Any:
         entry = self._fn_cache.get((op, target, problem))

@@ -97,28 +97,28 @@ def test_composed_lightning_indexer_resolves_its_inner_ops_for_the_callers_targe
         registry.clear_cache()
 
 
-def test_registry_passes_the_target_only_to_implementations_that_take_it():
-    seen = []
+def test_a_composition_receives_its_inner_op_bound_for_the_outer_target_and_its_problem():
+    """The factory of a composition (``uses``) is given its inner op bound for the target the outer call was
+    resolved for, with the problem it derives from the outer problem; a plain implementation's factory gets
+    nothing."""
     reg = Registry(environment=Environment.simulated())
+    received = []
 
-    def plain_factory():
-        return lambda x: ("plain", x)
+    def composed_factory(inner):
+        received.append(inner)
+        return lambda x: ("composed", inner(x))
 
-    def composed_factory():
-        def composed(x, *, target):
-            seen.append(target)
-            return ("composed", x)
-        return composed
-
-    reg.implementation("plain", impl_id="plain.reference.torch", targets=("*",), priority=0)(plain_factory)
-    reg.implementation("composed", impl_id="composed.generic.composed", targets=("*",), priority=1,
-                       takes_target=True)(composed_factory)
+    reg.implementation("inner", impl_id="inner.reference.torch", targets=("*",), priority=0)(
+        lambda: (lambda x: ("inner", x)))
+    reg.implementation("outer", impl_id="outer.generic.composed", targets=("*",), priority=1,
+                       uses={"inner": lambda outer: Problem(width=outer["width"] * 2)})(composed_factory)
     gfx = Target("rocm", "gfx950")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the reference-named plain op falls back on gfx950
-        assert reg.call("plain", gfx, Problem(), 1) == ("plain", 1)
-    assert reg.call("composed", gfx, Problem(), 2) == ("composed", 2)
-    assert seen == [gfx]
+        warnings.simplefilter("ignore", RuntimeWarning)  # the reference-named inner op falls back on gfx950
+        assert reg.call("outer", gfx, Problem(width=3), 2) == ("composed", ("inner", 2))
+    (inner,) = received
+    assert inner.op == "inner" and inner.target == gfx and inner.problem == Problem(width=6)
+    assert inner.impl_id == "inner.reference.torch"
 
 
 # --- item 7: boolean environment variables -----------------------------------------------------------------------
