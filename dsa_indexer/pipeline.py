@@ -22,6 +22,7 @@ from .compressor import CompressionStep
 from .contract.cache import LAYOUT_PAGED64, LAYOUT_PAGED64_FP4, PLAIN_LAYOUT_FORMATS, IndexKCache
 from .contract.quant import QuantizedActivation, reuse_rejection
 from .contract.specs import PIPELINE_OP
+from .dispatch.capabilities import Capabilities
 from .dispatch.plugins import hookimpl
 from .dispatch.verification import CPU_SUITE, Level, Verified, ran_on
 from .plan import StepPlan
@@ -202,18 +203,18 @@ class PipelineSteps:
 STEPS = PipelineSteps()
 
 
-def fp8_cache_only(problem, target) -> str | None:
-    """The `supports` check of strategies that write the uint8 pages ``k_path`` stores into: the fp8 132-byte ones,
-    or V4's FP4 68-byte ones (the compressor writes either) (``problem.cache`` is the layout)."""
-    layout = problem.get("cache", LAYOUT_PAGED64)
-    if layout in (LAYOUT_PAGED64, LAYOUT_PAGED64_FP4):
-        return None
-    return f"writes the {LAYOUT_PAGED64} or {LAYOUT_PAGED64_FP4} cache, not {layout}"
+# The cache layouts a strategy's k path writes (the problem's ``cache`` fact): the uint8 pages ``k_path`` stores into
+# (the fp8 132-byte ones, or V4's FP4 68-byte ones: the compressor writes either), or the plain bf16 / int8 layouts.
+FP8_PAGES_CAPS = Capabilities("the single-stream strategy", cache=(LAYOUT_PAGED64, LAYOUT_PAGED64_FP4))
+PLAIN_CAPS = Capabilities("the plain-layout strategy", cache=tuple(PLAIN_LAYOUT_FORMATS))
 
 
-def plain_cache_only(problem, target) -> str | None:
-    layout = problem.get("cache", LAYOUT_PAGED64)
-    return None if layout in PLAIN_LAYOUT_FORMATS else f"serves the plain layouts (bf16 / int8 keys), not {layout}"
+def plain_cache_said(problem, target) -> str | None:
+    """What the declared ``cache`` cannot say: a fact the problem does not carry is not checked, but a problem that
+    does not name its layout means the fp8 pages (the default cache), which this strategy does not write."""
+    if problem.get("cache") is None:
+        return f"the problem does not name its cache layout (the default, {LAYOUT_PAGED64}, is not a plain one)"
+    return None
 
 
 def x_projections_torch(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor
@@ -231,7 +232,7 @@ def register_x_projections_torch(registry) -> None:
 
 def register_single_stream(registry) -> None:
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.single_stream", targets=("*",),
-                            priority=0, supports=fp8_cache_only,
+                            priority=0, capabilities=FP8_PAGES_CAPS,
                             description="all steps in order on the current stream",
                             verified=(CPU_SUITE, ran_on("sm90", "90cca2e", "2026-12-02",
                                                         "benchmarks/results/decode_s6_h200.json; tests/gpu"),
@@ -240,7 +241,8 @@ def register_single_stream(registry) -> None:
                                                "aiter's quant and GEMM doubled)"))
                             )(lambda: single_stream)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.generic.plain_single_stream", targets=("*",),
-                            priority=1, supports=plain_cache_only,  # 1: no tie with single_stream (disjoint anyway)
+                            priority=1, capabilities=PLAIN_CAPS, supports=plain_cache_said,  # 1: no tie with
+                            # single_stream (their layouts are disjoint anyway)
                             description="all steps in order, for a bf16 / int8 plain-layout cache",
                             # On npu its steps call operators bound by torch_npu's published schemas (CPU CI).
                             verified=(CPU_SUITE, Verified(Level.VENDOR_SCHEMA, ("npu",),

@@ -36,6 +36,7 @@ from ...dispatch.target import Target
 from ...dispatch.verification import Level, Verified, ran_on
 from ...contract.quant import Fp8GroupLayout
 from ...contract.step import STEP_CONTEXT_INFO
+from .flashinfer_topk import CAPABILITIES as FLASHINFER_CAPS  # imports no flashinfer (its probe and factory do)
 
 DEEPGEMM_PRIORITY = 200
 DEEPGEMM_TARGETS = ("sm90", "sm100")
@@ -201,12 +202,6 @@ def _flashinfer_probe() -> str | None:
     return flashinfer_topk.probe()
 
 
-def _flashinfer_supports(problem: Problem, target: Target) -> str | None:
-    from . import flashinfer_topk
-
-    return flashinfer_topk.supports(problem, target)
-
-
 def _flashinfer_factory():
     import flashinfer
 
@@ -307,7 +302,7 @@ def dsa_indexer_register(registry: Registry) -> None:
                             verified=RADIX_VERIFIED)(_topk_factory)
     registry.add_probe("flashinfer", _flashinfer_probe)
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.flashinfer", targets=JIT_TARGETS,
-                            priority=60, requires=("gpu", "flashinfer"), supports=_flashinfer_supports,
+                            priority=60, requires=("gpu", "flashinfer"), capabilities=FLASHINFER_CAPS,
                             description="FlashInfer top_k_ragged_transform, deterministic lower-index ties",
                             verified=FLASHINFER_VERIFIED)(_flashinfer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.deepgemm_radix",

@@ -52,6 +52,7 @@ import torch
 from ...contract.cache import LAYOUT_PAGED64
 from ...contract.step import STEP_CONTEXT_INFO
 from ...envflags import EnvironmentFlagError, env_flag, parse_count, parse_sm_limit
+from ...dispatch.capabilities import Capabilities
 from ...dispatch.problem import Problem
 from ...dispatch.target import Target
 from ...dispatch.verification import ran_on
@@ -97,24 +98,27 @@ def max_tokens() -> int | str:
     return DEFAULT_MAX_TOKENS if value is None else value
 
 
-def supports(problem: Problem, target: Target) -> str | None:
-    layout = problem.get("cache", LAYOUT_PAGED64)
-    if layout != LAYOUT_PAGED64:
-        return f"writes the {LAYOUT_PAGED64} cache, not {layout}"
+# The layout it writes, as data: its k path stores the fp8 132-byte pages (V4's compressor runs single-stream).
+CAPABILITIES = Capabilities("the dual-stream strategy", cache=(LAYOUT_PAGED64,))
+
+
+def supports(problem: Problem, target: Target) -> list[str]:
+    """What data cannot say: two environment knobs (on / off, and the token threshold, whose value the caller may
+    set per process). Every reason at once (an empty list: yes)."""
+    reasons = []
     try:
-        enabled = env_flag(ENABLE_ENV, default=True)
+        if not env_flag(ENABLE_ENV, default=True):
+            reasons.append(f"disabled by {ENABLE_ENV}=0")
     except EnvironmentFlagError as exc:  # a reason, not a crash inside resolution: explain shows it
-        return str(exc)
-    if not enabled:
-        return f"disabled by {ENABLE_ENV}=0"
+        reasons.append(str(exc))
     limit = max_tokens()
-    if isinstance(limit, str):
-        return limit
     tokens = problem.get("tokens")
-    if tokens is not None and tokens > limit:
-        return (f"tokens bucket {tokens} > {limit}: large steps fill the GPU on one stream "
-                f"(threshold {MAX_TOKENS_ENV})")
-    return None
+    if isinstance(limit, str):
+        reasons.append(limit)
+    elif tokens is not None and tokens > limit:
+        reasons.append(f"tokens bucket {tokens} > {limit}: large steps fill the GPU on one stream "
+                       f"(threshold {MAX_TOKENS_ENV})")
+    return reasons
 
 
 def _gemm_sm_limit() -> Callable[[], contextlib.AbstractContextManager] | None:
@@ -185,7 +189,8 @@ def register_dual_stream(registry) -> None:
         return make_dual_stream(_gemm_sm_limit())
 
     registry.implementation(PIPELINE_OP, impl_id=IMPL_ID, targets=("cuda",), priority=PRIORITY, requires=("gpu",),
-                            supports=supports, info={STEP_CONTEXT_INFO: True},  # the context's side stream
+                            capabilities=CAPABILITIES, supports=supports,
+                            info={STEP_CONTEXT_INFO: True},  # the context's side stream
                             description="q path on the current stream, k path on a side stream (<= 1024 tokens)",
                             verified=(ran_on("sm90", "90cca2e", "2026-12-02",
                                              "tests/gpu/test_cuda_backend_gpu.py (bit-identical to single stream); "

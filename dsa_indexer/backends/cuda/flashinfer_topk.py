@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.vendor import VendorLibrary
 
 IMPL_ID = "topk_indices.cuda.flashinfer"
@@ -46,15 +47,14 @@ LIBRARY = VendorLibrary(module="flashinfer", install_hint=INSTALL_HINT, usable=l
                         describe=lambda module: f"flashinfer {getattr(module, '__version__', '?')}")
 
 
-def supports(problem, target) -> str | None:
-    if problem.get("starts"):
-        return "windows with starts are not adapted (FlashInfer's row_starts offsets the output differently)"
-    if problem.get("slots"):
-        return "the slot transform is not adapted (FlashInfer's page-table variant takes its own table layout)"
-    k = problem.get("k")
-    if k is not None and k > MAX_K:
-        return f"k={k} > {MAX_K}: FlashInfer's lower-index tie-break needs k <= {MAX_K}"
-    return None
+# What the adapter takes, declared (every failing fact reported at once).
+CAPABILITIES = Capabilities(
+    "FlashInfer's top-k adapter",
+    starts=Rule(lambda starts: not starts, "false (windows with starts are not adapted: FlashInfer's row_starts "
+                                           "offsets the output differently)"),
+    slots=Rule(lambda slots: not slots, "false (the slot transform is not adapted: FlashInfer's page-table variant "
+                                        "takes its own table layout)"),
+    k=Rule(lambda k: k <= MAX_K, f"at most {MAX_K} (FlashInfer's lower-index tie-break needs it)"))
 
 
 def make_topk_indices(module: ModuleType) -> Callable[..., torch.Tensor]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from ...dispatch.capabilities import Capabilities
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
@@ -123,31 +124,33 @@ C4_REFUSED = ("compressed keys (compress_ratio {ratio}, V4's C4 indexer): no rel
               "compression ratio (op-plugin master 517f2e7d, 7.3.0, 26.0.0, 26.1.0); the reference serves it")
 
 
-def _indexer_api_supports(problem: Problem, target: Target) -> str | None:
-    reason = _indexer_supports(problem, target)
-    if reason:
-        return reason
+def _indexer_api_supports(problem: Problem, target: Target) -> list[str]:
+    """Every reason at once: the shape facts (`_indexer_supports`), the compression ratio, and what the probed
+    torch_npu has (not problem data: the installed release decides)."""
+    reasons = _indexer_supports(problem, target)
     ratio = problem.get("ratio")
     if ratio not in (None, 1):
-        return C4_REFUSED.format(ratio=ratio)
+        reasons.append(C4_REFUSED.format(ratio=ratio))
     api = LIBRARY.detected_api()
     if api is None:  # not probed (a simulated environment): assume the published current API
-        return None
+        return reasons
     fmt = problem.get("format")
     if fmt == "bf16" and api.indexer is None:
-        return f"{api.why_not(npu_api.INDEXER)} (bf16 keys)"
+        reasons.append(f"{api.why_not(npu_api.INDEXER)} (bf16 keys)")
     if fmt == "int8" and api.quant_indexer is None:
-        return f"{api.why_not(npu_api.QUANT_INDEXER)} (int8 keys)"
-    return None
+        reasons.append(f"{api.why_not(npu_api.QUANT_INDEXER)} (int8 keys)")
+    return reasons
 
 
 def _prologue_supports(store: bool):
-    def check(problem: Problem, target: Target) -> str | None:
+    def check(problem: Problem, target: Target) -> list[str]:
+        """Every reason at once: the head dim, then what the probed torch_npu lacks (its release decides)."""
+        reasons = []
         if problem.get("dim") not in (None, HEAD_DIM):
-            return f"head dim {problem.get('dim')}: the plain layouts hold {HEAD_DIM}"
+            reasons.append(f"head dim {problem.get('dim')}: the plain layouts hold {HEAD_DIM}")
         api = LIBRARY.detected_api()
         if api is None:  # not probed (a simulated environment): assume the documented current API
-            return None
+            return reasons
         needed = [(api.rotary, npu_api.ROTARY)]
         if store:
             needed.append((api.scatter, npu_api.SCATTER))
@@ -155,10 +158,10 @@ def _prologue_supports(store: bool):
             needed.append((api.dynamic_quant, npu_api.DYNAMIC_QUANT))
         missing = [api.missing.get(name, f"has no {name}") for fn, name in needed if fn is None]
         if missing:
-            return f"{api.describe()}: {'; '.join(missing)}"
+            reasons.append(f"{api.describe()}: {'; '.join(missing)}")
         if problem.get("interleaved") and not api.rotary_interleave:
-            return f"{api.describe()}'s {npu_api.ROTARY} takes no rotary_mode (interleaved pairs: V4's RoPE)"
-        return None
+            reasons.append(f"{api.describe()}'s {npu_api.ROTARY} takes no rotary_mode (interleaved pairs: V4's RoPE)")
+        return reasons
 
     return check
 
@@ -169,11 +172,8 @@ def _fp8_pages_supports(problem: Problem, target: Target) -> list[str] | str | N
     return fp8_supports(problem, LIBRARY.detected_api())
 
 
-def _plain_cache_only(problem: Problem, target: Target) -> str | None:
-    layout = problem.get("cache")
-    if layout in (None, "paged64_bf16", "paged64_int8"):
-        return None
-    return f"serves the plain layouts torch_npu's indexers read (paged64_bf16 / paged64_int8), not {layout}"
+# The layouts its steps write: the plain ones torch_npu's indexers read.
+TWO_STREAM_CAPS = Capabilities("the NPU two-stream strategy", cache=("paged64_bf16", "paged64_int8"))
 
 
 # Never run on Ascend hardware or with a real torch_npu: CPU CI calls these through operators registered with
@@ -247,6 +247,6 @@ def dsa_indexer_register(registry: Registry) -> None:
                             description="RoPE by npu_rotary_mul (+ Hadamard, int8 by npu_dynamic_quant)",
                             verified=SCHEMA_VERIFIED)(q_factory)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.npu.two_stream", targets=("npu",),
-                            priority=PIPELINE_PRIORITY, requires=requires, supports=_plain_cache_only,
+                            priority=PIPELINE_PRIORITY, requires=requires, capabilities=TWO_STREAM_CAPS,
                             description="k path on a side NPU stream, q path on the current one",
                             verified=SCHEMA_VERIFIED)(pipeline_factory)

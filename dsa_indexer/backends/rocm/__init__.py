@@ -27,6 +27,8 @@ reason. On gfx1250 only the Triton-level producer is enabled (nothing was run th
 
 from __future__ import annotations
 
+import torch
+
 from ...contract.specs import fp8_name
 from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.environment import Environment
@@ -37,6 +39,7 @@ from ...dispatch.target import Target
 from ...dispatch.verification import Level, Verified
 from ...contract.quant import GEMM_INPUT_LAYOUT, PRODUCER_UNROUNDED
 from .paged import MAX_INT32_PAGES
+from .platform import FP8_DTYPES
 from .quant import aiter_fused_rms_fp8_group_quant
 
 __all__ = ["AITER_PRIORITY", "AITER_TARGETS", "TOPK_PRIORITY", "UNREGISTERED", "aiter_fused_rms_fp8_group_quant"]
@@ -130,17 +133,16 @@ PAGED_CAPS = Capabilities("aiter's paged kernel",
                                      f"Triton kernel serves larger caches"))
 
 
+TOPK_CAPS = Capabilities("aiter's top_k_per_row kernels",
+                         k=Rule(lambda k: k == TOPK, f"{TOPK} only (k is fixed in the kernels)"),
+                         starts=Rule(lambda starts: not starts,
+                                     "false (ragged row starts: aiter's decode top-k reads rows from column 0, and "
+                                     "its prefill top-k ignores rowStarts for rows longer than 2048, aiter 0.1.7)"))
+
+
 def _topk_supports(problem: Problem, target: Target) -> str | None:
-    reason = _arch_checks(problem, target, "top_k_per_row_decode")
-    if reason:
-        return reason
-    k = problem.get("k")
-    if k is not None and k != TOPK:
-        return f"k={k}: aiter's top_k_per_row kernels have k fixed at {TOPK}"
-    if problem.get("starts"):
-        return ("ragged row starts: aiter's decode top-k reads rows from column 0, and its prefill top-k ignores "
-                "rowStarts for rows longer than 2048 (aiter 0.1.7)")
-    return None
+    """What data cannot say: gfx1250 is held back (not run there), whatever the problem."""
+    return _arch_checks(problem, target, "top_k_per_row_decode")  # top-k problems carry no fp8 fact
 
 
 def _available(field: str, op: str):
@@ -181,15 +183,13 @@ def _ragged_factory():
     return make_ragged_mqa_logits(launch="wrapper")
 
 
-def _rms_quant_supports(problem: Problem, target: Target) -> str | None:
-    if problem.get("fp8") == "fnuz":
-        return ("e4m3fnuz (gfx942): aiter's fused_rms_fp8_group_quant scales to +-240 (torch.finfo max), the library's "
-                "and the AMD integrations' fnuz recipe to +-224; the Triton producer serves gfx942")
-    if problem.get("group_size") not in (None, 128):
-        return f"group_size={problem.get('group_size')}: aiter's fused kernel is registered for groups of 128"
-    if problem.get("ue8m0"):
-        return "ue8m0 scales: aiter's fused kernel writes plain fp32 scales (amax / fp8 max)"
-    return None
+RMS_QUANT_CAPS = Capabilities(
+    "aiter's fused_rms_fp8_group_quant",
+    fp8=Rule(lambda fp8: fp8 != "fnuz", "e4m3fn (on e4m3fnuz, gfx942, it scales to +-240, torch.finfo max, the "
+                                        "library's and the AMD integrations' fnuz recipe to +-224; the Triton "
+                                        "producer serves gfx942)"),
+    group_size=(128,),  # what it is registered for
+    ue8m0=Rule(lambda ue8m0: not ue8m0, "false (it writes plain fp32 scales, amax / fp8 max)"))
 
 
 def _paged_supports(problem: Problem, target: Target) -> str | None:
@@ -217,17 +217,14 @@ GEMM_GFX1250 = ("gfx1250: aiter's CK gemm_a8w8_blockscale is not verified there 
                 "of the wrong arch SIGSEGVs at launch; not run on gfx1250); the Triton GEMM serves it")
 
 
+# fp8: each arch's flavour (aiter.dtypes.fp8 there; fn and fnuz operands are never mixed).
+GEMM_CAPS = Capabilities("aiter's gemm_a8w8_blockscale", out=("torch.bfloat16", "torch.float16"),
+                         fp8={arch: (fp8_name(FP8_DTYPES.get(arch, torch.float8_e4m3fn)),) for arch in AITER_TARGETS})
+
+
 def _gemm_supports(problem: Problem, target: Target) -> str | None:
-    if target.arch == "gfx1250":
-        return GEMM_GFX1250
-    out = problem.get("out")
-    if out is not None and out not in ("torch.bfloat16", "torch.float16"):
-        return f"out={out}: aiter's gemm_a8w8_blockscale writes bf16 or fp16"
-    fp8 = problem.get("fp8")
-    want = _fp8_flavour(target)
-    if fp8 is not None and want is not None and fp8 != want:
-        return f"fp8={fp8} on {target.arch}: aiter there takes float8_e4m3{want} (aiter.dtypes.fp8)"
-    return None
+    """What data cannot say: gfx1250 is held back (`GEMM_GFX1250`), whatever the problem."""
+    return GEMM_GFX1250 if target.arch == "gfx1250" else None
 
 
 def _gemm_factory():
@@ -300,7 +297,7 @@ def dsa_indexer_register(registry: Registry) -> None:
         "gemm_fp8_blockscale", impl_id="gemm_fp8_blockscale.rocm.aiter", targets=AITER_TARGETS,
         priority=AITER_PRIORITY, requires=("gpu", "aiter"),
         available=_available("gemm_blockscale", "gemm_fp8_blockscale"),
-        supports=_gemm_supports,
+        supports=_gemm_supports, capabilities=GEMM_CAPS,
         description="aiter's CK gemm_a8w8_blockscale (x_scale [M, K/128] fp32 row-major, w_scale [N/128, K/128])",
         info={"vendor_function": "aiter.gemm_a8w8_blockscale", "input_layout": GEMM_INPUT_LAYOUT},
         verified=GEMM_VERIFIED,
@@ -308,7 +305,7 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "rmsnorm_quant_fp8", impl_id="rmsnorm_quant_fp8.rocm.aiter", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("fused_rms_quant", "rmsnorm_quant_fp8"),
-        supports=_rms_quant_supports,
+        capabilities=RMS_QUANT_CAPS,
         description="aiter's Triton fused_rms_fp8_group_quant (attention's q_lora producer in the seed integration); "
                     "quantizes before bf16 rounding",
         info={"vendor_function": "aiter.ops.triton.fused_fp8_quant.fused_rms_fp8_group_quant",
@@ -318,7 +315,7 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter_stable", targets=AITER_TARGETS, priority=AITER_PRIORITY,
         requires=("gpu", "aiter"), available=_available("topk_stable", "topk_indices (stable)"),
-        supports=_topk_supports,
+        supports=_topk_supports, capabilities=TOPK_CAPS,
         description="aiter HIP top_k_per_row_decode(stable=True) (k=2048): ties to the lower index, deterministic",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode(stable=True)",
               "ties": "stable=True: the smallest indices among values equal to the k-th (this op's contract)"},
@@ -327,6 +324,7 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation(
         "topk_indices", impl_id="topk_indices.rocm.aiter", targets=AITER_TARGETS, priority=TOPK_PRIORITY,
         requires=("gpu", "aiter"), available=_available("topk_decode", "topk_indices"), supports=_topk_supports,
+        capabilities=TOPK_CAPS,
         description="aiter HIP top_k_per_row_decode (k=2048); ties NOT lower-index (atomics): opt-in, below Triton",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode",
               "ties": "which of several equal logits at the k-th value are kept is not deterministic"},
