@@ -216,10 +216,14 @@ def test_flashinfer_adapter_passes_lengths_and_asks_for_deterministic_low_index_
 
 
 def test_flashinfer_supports_and_api_checks():
-    assert "starts" in flashinfer_topk.supports(Problem(k=64, starts=True, slots=False), None)
-    assert "slot" in flashinfer_topk.supports(Problem(k=64, starts=False, slots=True), None)
-    assert "k=4096" in flashinfer_topk.supports(Problem(k=4096, starts=False, slots=False), None)
-    assert flashinfer_topk.supports(Problem(k=2048, starts=False, slots=False), None) is None
+    sm90 = parse_target("sm90")
+    caps = flashinfer_topk.CAPABILITIES  # declared: every failing fact at once
+    assert caps.reasons(Problem(k=2048, starts=False, slots=False), sm90) == []
+    (starts,) = caps.reasons(Problem(k=64, starts=True, slots=False), sm90)
+    (slots,) = caps.reasons(Problem(k=64, starts=False, slots=True), sm90)
+    assert "starts=True" in starts and "slot transform" in slots
+    assert len(caps.reasons(Problem(k=4096, starts=True, slots=True), sm90)) == 3
+    assert "k=4096" in caps.reasons(Problem(k=4096, starts=False, slots=False), sm90)[0]
     old = types.SimpleNamespace(__version__="0.2", top_k=lambda *a: None)
     assert "no top_k_ragged_transform" in flashinfer_topk.api_problem(old)
     with pytest.raises(RuntimeError, match="no top_k_ragged_transform"):
