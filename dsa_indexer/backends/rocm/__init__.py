@@ -133,7 +133,7 @@ PAGED_CAPS = Capabilities("aiter's paged kernel",
                                      f"Triton kernel serves larger caches"))
 
 
-TOPK_CAPS = Capabilities("aiter's top_k_per_row kernels",
+TOPK_CAPS = Capabilities("aiter's top_k_per_row",
                          k=Rule(lambda k: k == TOPK, f"{TOPK} only (k is fixed in the kernels)"),
                          starts=Rule(lambda starts: not starts,
                                      "false (ragged row starts: aiter's decode top-k reads rows from column 0, and "
