@@ -30,19 +30,21 @@ def test_each_role_is_bound_for_the_problem_its_call_makes(cfg, roles):
     """The plan binds every role at build; the facts of each role's real call (the op's own facts function, run
     here on the step's tensors) equal the problem it was bound for."""
     indexer = Indexer(cfg).init_random(int(torch.randint(0, 1 << 30, ())))
-    plan = indexer.step_plan(2, True)
+    pages = 12
+    plan = indexer.step_plan(2, True, cache_pages=pages)  # a decode step's scorer is bound with its cache's pages
     assert set(plan.kernels) == roles
-    seen = {}
+    seen, used = {}, set()
     real = type(plan).run
 
     def recording(self, role, op, *args, **kwargs):
         seen[role] = ops.OPERATORS[op].problem(*args)
+        used.add(id(self))
         return real(self, role, op, *args, **kwargs)
 
     type(plan).run = recording
     try:
-        cache = IndexKCache.allocate(12)
-        batch = DecodeBatch.build([100, 260], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], num_cache_pages=12,
+        cache = IndexKCache.allocate(pages)
+        batch = DecodeBatch.build([100, 260], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], num_cache_pages=pages,
                                   compress_ratio=cfg.compress_ratio)
         x = torch.randn(2, cfg.hidden_size).to(torch.bfloat16)
         q_lora = torch.randn(2, cfg.q_lora_rank).to(torch.bfloat16)
@@ -52,7 +54,7 @@ def test_each_role_is_bound_for_the_problem_its_call_makes(cfg, roles):
         indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state)
     finally:
         type(plan).run = real
-    assert set(seen) == roles - {"pipeline"}
+    assert set(seen) == roles - {"pipeline"} and used == {id(plan)}  # the call ran the plan compared with
     for role, problem in seen.items():
         assert problem == plan.kernels[role].problem, role
 
