@@ -187,6 +187,23 @@ def main(argv=None) -> int:
     above = float(real.max()) * 2 + 1.0  # past a row's end: above every real logit
     print(f"logits ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write_report() -> None:
+        """The report so far, rewritten after every cell: a run cut short (a device call's time limit) keeps its
+        measured cells."""
+        report = {"command": "python3 benchmarks/bench_topk_engines.py " + " ".join(argv or sys.argv[1:]),
+                  "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                  "cuda": torch.version.cuda,
+                  "timing": "CUDA-graph replay, CUDA events, 256 MiB L2 flush before each, median of --repeats",
+                  "logits": "real V3.2 decode logits (k path keys, q path query, registry paged logits); columns "
+                            "past a row's length hold a value above every real logit",
+                  "rows": rows}
+        if engine_module is not None:
+            report["engine_versions"] = getattr(engine_module, "VERSIONS", None)
+        (out / "topk_engines.json").write_text(json.dumps(report, indent=1))
+
     rows = []
     for family, batch, lens, width, k in todo:
         name = f"{family} B={batch} " + (f"len={int(lens[0])}" if bool((lens == lens[0]).all()) else "len=mixed") \
@@ -236,18 +253,8 @@ def main(argv=None) -> int:
         ratio = f"  ours/best={cell['ours_over_best_engine']:.2f}" if "ours_over_best_engine" in cell else ""
         print(f"{name}: " + "  ".join(f"{n}={t:.1f}" for n, t in times.items())
               + f"  wrong={sum(cell['wrong_rows'].values())}{ratio}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python3 benchmarks/bench_topk_engines.py " + " ".join(argv or sys.argv[1:]),
-              "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "cuda": torch.version.cuda,
-              "timing": "CUDA-graph replay, CUDA events, 256 MiB L2 flush before each, median of --repeats",
-              "logits": "real V3.2 decode logits (k path keys, q path query, registry paged logits); columns past "
-                        "a row's length hold a value above every real logit",
-              "rows": rows}
-    if engine_module is not None:
-        report["engine_versions"] = getattr(engine_module, "VERSIONS", None)
-    (out / "topk_engines.json").write_text(json.dumps(report, indent=1))
+        write_report()
+    write_report()
     behind = [r["cell"] for r in rows if r.get("ours_over_best_engine", 0) > 1.0]
     if engines:
         print(f"cells behind the best engine: {len(behind)} of {sum('ours_over_best_engine' in r for r in rows)}")
