@@ -13,6 +13,7 @@ import torch
 
 from . import ops
 from .contract.cache import decode_row_requests
+from .contract.specs import WRITES_OUT_INFO, writes_out
 from .contract.step import STEP_CONTEXT_INFO, StepContext, takes_step_context
 from .dispatch.bind import bind
 from .dispatch.plugins import hookimpl
@@ -30,13 +31,16 @@ class InnerOps:
     """A composition's inner op calls, each bound once per (registry state, target, problem facts) (`dispatch.bind`)
     and then called directly: the warm path computes the facts (one generated function), makes one dict lookup, and
     hashes no `Target` or `Problem`. The entry keeps its target alive, so the key's ``id(target)`` stays that
-    object's. ``context``: the step's (`contract.step.StepContext`), handed to an inner kernel that takes it."""
+    object's. ``context``: the step's (`contract.step.StepContext`), handed to an inner kernel that takes it.
+    ``out``: a caller's buffer for the inner op's result, written by an inner kernel that declares ``writes_out``,
+    else filled with its result by one copy."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._memo: dict[tuple, tuple] = {}
 
-    def call(self, op: str, target: Target, *args, context: StepContext | None = None):
+    def call(self, op: str, target: Target, *args, context: StepContext | None = None,
+             out: torch.Tensor | None = None):
         declared = ops.OPERATORS[op]
         key = (self.registry.generation, id(target), op, declared.facts(*args))
         entry = self._memo.get(key)
@@ -44,37 +48,44 @@ class InnerOps:
             if len(self._memo) >= 256:  # stale generations are never asked for again
                 self._memo.clear()
             bound = bind(op, target, declared.problem(*args), self.registry)
-            entry = self._memo[key] = (target, bound.fn, takes_step_context(bound.info))
-        if context is not None and entry[2]:
-            return entry[1](*args, context=context)
-        return entry[1](*args)
+            entry = self._memo[key] = (target, bound.fn, takes_step_context(bound.info), writes_out(bound.info))
+        kwargs = {"context": context} if context is not None and entry[2] else {}
+        if out is None:
+            return entry[1](*args, **kwargs)
+        if not entry[3]:
+            return out.copy_(entry[1](*args, **kwargs))
+        result = entry[1](*args, out=out, **kwargs)
+        return result if result is out else out.copy_(result)
 
 
 def make_lightning_indexer_composed(inner: InnerOps):
     def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                                    context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                                    k: int, return_slots: bool = False, *, target: Target,
-                                   context: StepContext | None = None) -> torch.Tensor:
+                                   context: StepContext | None = None, out: torch.Tensor | None = None
+                                   ) -> torch.Tensor:
         """``topk_indices(paged_mqa_logits(...))``, each resolved for ``target`` (the one the outer call was
         resolved for); the arguments were checked by the outer op or the Indexer. ``context``: the step's, handed
-        to the logits (DeepGEMM's schedule, once per step) and giving the row map."""
+        to the logits (DeepGEMM's schedule, once per step) and giving the row map. ``out``: the top-k's buffer."""
         logits = inner.call("paged_mqa_logits", target, q, kv_cache, weights, context_lens, block_table,
                             max_context_len, context=context)
         ends = context_lens.reshape(-1)
         if not return_slots:
-            return inner.call("topk_indices", target, logits, k, ends, None, None, None)
+            return inner.call("topk_indices", target, logits, k, ends, None, None, None, out=out)
         rows = (decode_row_requests(q.shape[0], q.shape[1], q.device) if context is None
                 else context.row_requests(q.shape[0], q.shape[1], q.device))
-        return inner.call("topk_indices", target, logits, k, ends, None, block_table, rows)
+        return inner.call("topk_indices", target, logits, k, ends, None, block_table, rows, out=out)
 
     return lightning_indexer_composed
 
 
 def make_ragged_mqa_topk_composed(inner: InnerOps):
-    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *, target: Target) -> torch.Tensor:
-        """``topk_indices(ragged_mqa_logits(...))``, each resolved for ``target`` (the [S, N] logits in memory)."""
+    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *, target: Target,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``topk_indices(ragged_mqa_logits(...))``, each resolved for ``target`` (the [S, N] logits in memory);
+        ``out``: the top-k's buffer."""
         logits = inner.call("ragged_mqa_logits", target, q, k, k_scales, weights, ks, ke)
-        return inner.call("topk_indices", target, logits, topk, ke, ks, None, None)
+        return inner.call("topk_indices", target, logits, topk, ke, ks, None, None, out=out)
 
     return ragged_mqa_topk_composed
 
@@ -96,10 +107,10 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
                             priority=RAGGED_COMPOSED_PRIORITY,
                             description="ragged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True,
+                            takes_target=True, info={WRITES_OUT_INFO: True},
                             verified=RAGGED_COMPOSED_VERIFIED)(lambda: make_ragged_mqa_topk_composed(inner))
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            takes_target=True, info={STEP_CONTEXT_INFO: True},
+                            takes_target=True, info={STEP_CONTEXT_INFO: True, WRITES_OUT_INFO: True},
                             verified=COMPOSED_VERIFIED)(lambda: make_lightning_indexer_composed(inner))
