@@ -690,9 +690,9 @@ def test_prefill_scoring_reads_deepgemms_padded_logits_without_a_copy(monkeypatc
     setattr(mod, api.ragged_fn, padded_rows)
     seen = []
 
-    def recording_topk(logits, k, ends, starts=None, *rest):
+    def recording_topk(logits, k, ends, starts=None, *rest, **out):
         seen.append(logits)
-        return ref.topk_indices(logits, k, ends, starts, *rest)
+        return ref.topk_indices(logits, k, ends, starts, *rest, **out)
 
     monkeypatch.setattr(lightning, "topk_indices", recording_topk)
     q, k, k_scales, weights, ks, ke = _ragged_problem(heads=64)
