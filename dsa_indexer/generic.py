@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 
 from .contract.cache import decode_row_requests
+from .contract.specs import WRITES_OUT_INFO, writes_out
 from .contract.step import STEP_CONTEXT_INFO, StepContext, takes_step_context
 from .dispatch.plugins import hookimpl
 from .dispatch.problem import Problem
@@ -34,6 +35,20 @@ def inner_problem(outer: Problem, facts: Mapping[str, str], **fixed) -> Problem:
     one is set. A fact the outer problem does not carry (a coarse problem, e.g. the CLI's) stays out, as it would
     of a problem made for the inner op directly."""
     return Problem(**{inner: outer[name] for inner, name in facts.items() if name in outer}, **fixed)
+
+
+def into_out(inner: Bound):
+    """``inner``'s function writing a caller's buffer, ``fn(*args, out)``: a kernel that declares ``writes_out``
+    receives it (and writes it itself), another's result is copied in; -> the buffer."""
+    fn = inner.fn
+    if not writes_out(inner.info):
+        return lambda *args, out: out.copy_(fn(*args))
+
+    def write(*args, out: torch.Tensor) -> torch.Tensor:
+        result = fn(*args, out=out)
+        return result if result is out else out.copy_(result)  # a path inside it that allocated after all
+
+    return write
 
 
 # What each composition calls, and with which problem (`Implementation.uses`). Every fact of an inner op's problem
@@ -54,38 +69,43 @@ RAGGED_MQA_TOPK_USES = {
 def make_lightning_indexer_composed(paged_mqa_logits: Bound, topk_indices: Bound):
     """The composed lightning indexer over its inner ops, bound for its target and problem (`LIGHTNING_INDEXER_USES`):
     each call reaches the two kernels directly."""
-    logits_of, topk = paged_mqa_logits.fn, topk_indices.fn
+    logits_of, topk, topk_into = paged_mqa_logits.fn, topk_indices.fn, into_out(topk_indices)
     logits_take_context = takes_step_context(paged_mqa_logits.info)
 
     def lightning_indexer_composed(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                                    context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                                    k: int, return_slots: bool = False, *,
-                                   context: StepContext | None = None) -> torch.Tensor:
+                                   context: StepContext | None = None, out: torch.Tensor | None = None
+                                   ) -> torch.Tensor:
         """``topk_indices(paged_mqa_logits(...))``, each bound for the outer call's target (the arguments were
         checked by the outer op or the Indexer). ``context``: the step's, handed to the logits (DeepGEMM's schedule,
-        once per step) and giving the row map."""
+        once per step) and giving the row map. ``out``: the top-k's buffer."""
         if context is not None and logits_take_context:
             logits = logits_of(q, kv_cache, weights, context_lens, block_table, max_context_len, context=context)
         else:
             logits = logits_of(q, kv_cache, weights, context_lens, block_table, max_context_len)
         ends = context_lens.reshape(-1)
-        if not return_slots:
-            return topk(logits, k, ends, None, None, None)
-        rows = (decode_row_requests(q.shape[0], q.shape[1], q.device) if context is None
-                else context.row_requests(q.shape[0], q.shape[1], q.device))
-        return topk(logits, k, ends, None, block_table, rows)
+        if return_slots:
+            rows = (decode_row_requests(q.shape[0], q.shape[1], q.device) if context is None
+                    else context.row_requests(q.shape[0], q.shape[1], q.device))
+            args = (logits, k, ends, None, block_table, rows)
+        else:
+            args = (logits, k, ends, None, None, None)
+        return topk(*args) if out is None else topk_into(*args, out=out)
 
     return lightning_indexer_composed
 
 
 def make_ragged_mqa_topk_composed(ragged_mqa_logits: Bound, topk_indices: Bound):
     """The composed prefill scoring over its inner ops, bound for its target and problem (`RAGGED_MQA_TOPK_USES`)."""
-    logits_of, select = ragged_mqa_logits.fn, topk_indices.fn
+    logits_of, select, select_into = ragged_mqa_logits.fn, topk_indices.fn, into_out(topk_indices)
 
-    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int) -> torch.Tensor:
+    def ragged_mqa_topk_composed(q, k, k_scales, weights, ks, ke, topk: int, *,
+                                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``topk_indices(ragged_mqa_logits(...))``, each bound for the outer call's target (the [S, N] logits in
-        memory)."""
-        return select(logits_of(q, k, k_scales, weights, ks, ke), topk, ke, ks, None, None)
+        memory); ``out``: the top-k's buffer."""
+        args = (logits_of(q, k, k_scales, weights, ks, ke), topk, ke, ks, None, None)
+        return select(*args) if out is None else select_into(*args, out=out)
 
     return ragged_mqa_topk_composed
 
@@ -106,10 +126,10 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.generic.composed", targets=("*",),
                             priority=RAGGED_COMPOSED_PRIORITY,
                             description="ragged_mqa_logits then topk_indices, each resolved on its own",
-                            uses=RAGGED_MQA_TOPK_USES,
+                            uses=RAGGED_MQA_TOPK_USES, info={WRITES_OUT_INFO: True},
                             verified=RAGGED_COMPOSED_VERIFIED)(make_ragged_mqa_topk_composed)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.generic.composed", targets=("*",),
                             priority=COMPOSED_PRIORITY,
                             description="paged_mqa_logits then topk_indices, each resolved on its own",
-                            uses=LIGHTNING_INDEXER_USES, info={STEP_CONTEXT_INFO: True},
+                            uses=LIGHTNING_INDEXER_USES, info={STEP_CONTEXT_INFO: True, WRITES_OUT_INFO: True},
                             verified=COMPOSED_VERIFIED)(make_lightning_indexer_composed)

@@ -8,7 +8,11 @@ makes, per op:
   for them (`dispatch.bind`, one cached lookup) and called;
 - the public function: the declaration's checks, an ``fp8_dtype`` left None filled with the target's flavour,
   then the op body directly in eager mode (per-call overhead: benchmarks/dispatch_overhead.py) or the custom op
-  while compiling.
+  while compiling;
+- for an op declared with ``out`` (the top-k ops' caller-owned int32 buffer), the body that writes it
+  (``run_out``) and the ``dsa_indexer::<op>_out`` custom op that mutates it: an implementation that declares
+  ``writes_out`` (`contract.specs.WRITES_OUT_INFO`) receives ``out=`` and writes it; any other is called as
+  usual and its result copied in, so an implementation (a plugin's) without ``out`` support still serves.
 Adding an op: one declared function in `contract/declarations.py`, its reference implementation in
 `backends/reference/kernels.py`, and its public name below (docs/architecture.md, "How to add an op").
 """
@@ -25,6 +29,7 @@ from .contract import validate as v
 from .contract.declarations import KEY_FORMATS, NORMS  # noqa: F401 (re-exported: the CLI's fact words)
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation, scale_format  # noqa: F401
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
+from .contract.specs import WRITES_OUT_INFO
 from .dispatch.bind import bind
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
@@ -91,10 +96,32 @@ class DeclaredOp:
             bound = default_registry().bindings.get(key)  # `bind`'s own cache, read here: a call less per op
             return (bound if bound is not None else bind(*key)).fn(*args)
 
+        def run_out(*args: Any, target: Target | str | None = None) -> torch.Tensor:
+            """The op body with the caller's buffer last in ``args``: the bound implementation writes it (``out=``)
+            where it declares ``writes_out``, else its result is copied in; -> the buffer itself."""
+            *args, out = args
+            found = problems.get(facts(*args))
+            key = (name, target if type(target) is Target else
+                   target_of_tensor(args[0]) if target is None else _target_for(args[0], target),
+                   found if found is not None else problem_of(*args))
+            bound = default_registry().bindings.get(key)
+            if bound is None:
+                bound = bind(*key)
+            if bound.info.get(WRITES_OUT_INFO, False):
+                result = bound.fn(*args, out=out)
+                if result is not out:  # a path inside it that allocated after all (a fallback): still the buffer
+                    out.copy_(result)
+            else:
+                out.copy_(bound.fn(*args))
+            return out
+
         def arguments(*args: Any, target: Target | str | None = None, **kwargs: Any) -> tuple:
             """The implementation's arguments of this public call: the declaration's checks and normalization, then
-            an ``fp8_dtype`` left None set to the target's flavour (e4m3fnuz on gfx942)."""
+            an ``fp8_dtype`` left None set to the target's flavour (e4m3fnuz on gfx942). An op's ``out`` buffer is
+            checked, and not among them."""
             out = check(*args, **kwargs)
+            if decl.out is not None:
+                out = out[:-1]
             if fp8_at is not None and out[fp8_at] is None:
                 out = (*out[:fp8_at], _target_for(out[0], target).fp8_dtype, *out[fp8_at + 1:])
             return out
@@ -104,6 +131,18 @@ class DeclaredOp:
         fake = decl.fake
         self.custom_op.register_fake(lambda *args, target=None: fake(*args))
         compiled = getattr(torch.ops.dsa_indexer, name)
+        self.custom_op_out = compiled_out = None
+        if decl.out is not None:
+            # A second op that writes the caller's buffer: a custom op may not return an alias of an input, so this
+            # one returns nothing and the public function returns the buffer (torch.compile functionalizes it).
+            def write_out(*args: Any, target: Target | str | None = None) -> None:
+                run_out(*args, target=target)
+
+            self.custom_op_out = torch.library.custom_op(f"dsa_indexer::{name}_out", write_out,
+                                                         mutates_args=(*decl.mutates, decl.out),
+                                                         schema=decl.schema_with_target(decl.out_schema))
+            self.custom_op_out.register_fake(lambda *args, target=None: None)
+            compiled_out = getattr(torch.ops.dsa_indexer, f"{name}_out")
 
         @functools.wraps(check)
         def public(*args: Any, target: Target | str | None = None, **kwargs: Any) -> Any:
@@ -112,6 +151,13 @@ class DeclaredOp:
             args = check(*args, **kwargs) if kwargs else check(*args)
             if fp8_at is not None and args[fp8_at] is None:
                 args = (*args[:fp8_at], _target_for(args[0], explicit).fp8_dtype, *args[fp8_at + 1:])
+            if compiled_out is not None:  # the checks returned the caller's buffer (or None) after the arguments
+                if args[-1] is not None:
+                    if _compiling():
+                        compiled_out(*args, target=explicit)
+                        return args[-1]
+                    return run_out(*args, target=explicit)
+                args = args[:-1]
             if _compiling():
                 out = compiled(*args, target=explicit)
             elif explicit is None:  # `run` for the tensor's own target, inline: one call less on the usual path
@@ -126,8 +172,10 @@ class DeclaredOp:
         signature = inspect.signature(check)
         public.__signature__ = signature.replace(parameters=[*signature.parameters.values(), _TARGET_PARAMETER])
         public.decl, public.run, public.problem, public.facts = decl, run, problem_of, facts
-        public.custom_op = self.custom_op
+        public.custom_op, public.custom_op_out = self.custom_op, self.custom_op_out
+        public.run_out = run_out if decl.out is not None else None
         self.run, self.problem, self.facts, self.arguments, self.public = run, problem_of, facts, arguments, public
+        self.run_out = public.run_out
 
 
 def _producer_tagged(out: tuple, arguments: tuple, target: Target | str | None

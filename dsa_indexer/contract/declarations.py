@@ -147,6 +147,14 @@ def _check_plain_cache(key_cache: torch.Tensor, key_scales: torch.Tensor, key_fo
     except (TypeError, ValueError) as exc:
         raise v.IndexerInputError(str(exc)) from None
 
+def _check_out(out: torch.Tensor | None, rows: int, width: int, device: torch.device, /,
+               **inputs: torch.Tensor | None) -> torch.Tensor | None:
+    """A top-k op's ``out=``: None (the op allocates), or the caller's int32 ``[rows, width]`` buffer on the
+    inputs' device, contiguous, sharing no memory with ``inputs`` (`validate.output_buffer`)."""
+    if out is None:
+        return None
+    return v.output_buffer("out", out, dtype=torch.int32, shape=(rows, width), device=device, inputs=inputs.items())
+
 # --- the ops --------------------------------------------------------------------------------------------------------
 @declare(facts={"group_size": "group_size", "ue8m0": "ue8m0", "fp8": "fp8_name(fp8_dtype)", "width": "x.shape[-1]"},
          fake=lambda x, group_size, fp8_dtype, **_: (
@@ -345,10 +353,11 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 @declare(facts={"k": "k", "slots": "block_table is not None", "starts": "starts is not None"},
          fake=lambda logits, k, **_: logits.new_empty((logits.shape[0], k), dtype=torch.int32),
          example=dict(k=2048, slots=False, starts=False),
-         public_only=("max_len",))  # a host bound the checks apply (a view of the logits), not an argument
+         public_only=("max_len",),  # a host bound the checks apply (a view of the logits), not an argument
+         out="out")
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None, *,
                  block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None,
-                 max_len: int | None = None) -> torch.Tensor:
+                 max_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The k largest logits of each row among columns ``[starts, ends)`` (starts default 0): int32 [R, k].
 
     Values are positions relative to the row's start (request-local), -1 padded when a row has fewer than k
@@ -360,6 +369,10 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     ``max_len`` columns (a view, no copy), so the launch is planned for the rows' real length, not the padding;
     the result is the same. Without it the CUDA kernels route each row by its own ``ends`` on the device.
     A row ending past ``max_len`` is refused (``ends``' range check, see ``DSA_INDEXER_CHECK_RANGES``).
+
+    ``out``: a caller's int32 [R, k] buffer (contiguous, on the logits' device, sharing no memory with an input)
+    the result is written into, every element (-1 padding included); the op then returns ``out`` itself. Engines
+    keep such persistent buffers (a CUDA graph replays into the same one).
     """
     v.tensor("logits", logits, dtype=torch.float32, ndim=2)
     if max_len is not None:
@@ -396,7 +409,9 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
             v.used_pages_in_range("block_table", block_table, width, PAGE_SIZE, MAX_PAGES,
                                   "cache pages whose slots fit int32, for the pages a row's window uses",
                                   table_rows=row_request)
-    return logits, k, ends, starts, block_table, row_request
+    out = _check_out(out, r, k, logits.device, logits=logits, ends=ends, starts=starts, block_table=block_table,
+                     row_request=row_request)
+    return logits, k, ends, starts, block_table, row_request, out
 
 
 @declare(facts={"heads": "q.shape[2]", "dim": "q.shape[3]", "next_n": "q.shape[1]", "k": "k",
@@ -404,34 +419,40 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
                 # the cache's facts as paged_mqa_logits' (the composition binds its paged logits with them)
                 "keys": "'fp4' if kv_cache.shape[-1] == 68 else 'fp8'", "pages": "kv_cache.shape[0]"},
          fake=lambda q, k, **_: q.new_empty((q.shape[0] * q.shape[1], k), dtype=torch.int32),
-         example=dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"))
+         example=dict(heads=64, dim=128, next_n=1, k=2048, fp8="fn"), out="out")
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                       block_table: torch.Tensor, max_context_len: int, k: int, *,
-                      return_slots: bool = False) -> torch.Tensor:
+                      return_slots: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Paged logits + top-k in one op: int32 [B*N, k] request-local positions, -1 padded (same contract as
     `paged_mqa_logits` followed by `topk_indices` with ends = context_lens). ``return_slots=True`` returns
     physical cache slots ``block_table[b, pos // 64] * 64 + pos % 64`` instead (-1 stays -1), what FlashMLA's
-    sparse decode and SGLang read."""
+    sparse decode and SGLang read. ``out``: a caller's int32 [B*N, k] buffer to write the result into (as
+    `topk_indices`' ``out``; returned itself)."""
     _check_paged(q, kv_cache, weights, context_lens, block_table, max_context_len)
     v.index_count("k", k)
     if not isinstance(return_slots, bool):
         raise v.IndexerInputError(f"return_slots must be a bool, got {return_slots!r}")
-    return q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots
+    out = _check_out(out, q.shape[0] * q.shape[1], k, q.device, q=q, kv_cache=kv_cache, weights=weights,
+                     context_lens=context_lens, block_table=block_table)
+    return q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, out
 
 
 @declare(facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "fp8": "fp8_name(q.dtype)", "k": "topk",
                 "keys": RAGGED_KEYS_FACT},  # k's fp8 rows or FP4 bytes, as ragged_mqa_logits'
          fake=lambda q, topk, **_: q.new_empty((q.shape[0], topk), dtype=torch.int32),
-         example=dict(heads=64, dim=128, fp8="fn", k=2048))
+         example=dict(heads=64, dim=128, fp8="fn", k=2048), out="out")
 def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                    ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
+                    ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """The prefill scoring in one op: int32 [S, topk], the same set as
     ``topk_indices(ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks)`` (positions relative to ks,
     ties to the lower column, -1 padded; the order within a row is not part of the contract). A fused
-    implementation never holds the [S, N] logits; the composed one (generic) runs the two ops."""
+    implementation never holds the [S, N] logits; the composed one (generic) runs the two ops. ``out``: a caller's
+    int32 [S, topk] buffer to write the result into (as `topk_indices`' ``out``; returned itself)."""
     _check_ragged(q, k, k_scales, weights, ks, ke)
     v.index_count("topk", topk)
-    return q, k, k_scales, weights, ks, ke, topk
+    out = _check_out(out, q.shape[0], topk, q.device, q=q, k=k, k_scales=k_scales, weights=weights, ks=ks, ke=ke)
+    return q, k, k_scales, weights, ks, ke, topk, out
 
 
 @declare(facts={"dim": "ape.shape[1] // 2", "window": "state.shape[1]"},
@@ -517,10 +538,11 @@ def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, no
 @declare(facts={"heads": "q.shape[1]", "dim": "q.shape[2]", "k": "k",
                 "format": "'int8' if key_cache.dtype == torch.int8 else 'bf16'", "ratio": "compress_ratio"},
          fake=lambda q, k, **_: q.new_empty((q.shape[0], k), dtype=torch.int32),
-         example=dict(heads=64, dim=128, k=2048, format="bf16", ratio=1))
+         example=dict(heads=64, dim=128, k=2048, format="bf16", ratio=1), out="out")
 def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
                              key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, *, compress_ratio: int = 1) -> torch.Tensor:
+                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, *, compress_ratio: int = 1,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits + top-k over a plain-layout paged cache for ragged query rows (decode, speculative and prefill alike):
     int32 ``[T, k]`` request-local key (entry) positions, best first, ties to the lower position, -1 padded.
 
@@ -530,7 +552,8 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
     last row (its n rows are its last n tokens). ``block_table [B, pages]`` int32 maps entry j to slot
     ``block_table[b, j // 64] * 64 + j % 64``. ``compress_ratio`` 1 or 4 (C4: the cache holds entries of 4 tokens).
     Row i of request b (n rows, L tokens) sees entries ``j < (L - n + i + 1) // compress_ratio``; score
-    ``sum_h w[t, h] * relu(q[t, h] . k[j])`` (int8: both dequantized by their scales)."""
+    ``sum_h w[t, h] * relu(q[t, h] . k[j])`` (int8: both dequantized by their scales). ``out``: a caller's int32
+    [T, k] buffer to write the result into (as `topk_indices`' ``out``; returned itself)."""
     v.tensor("q", q, dtype=(*v.ACT_DTYPES, torch.int8), ndim=3)
     t, h, d = q.shape
     if d != 128:
@@ -563,8 +586,10 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
             ((entries + PAGE_SIZE - 1) // PAGE_SIZE)[:, None]
         v.in_range("block_table", block_table[used], 0, key_cache.shape[0], "cache pages, for the pages in use")
         v.check_page_sharing("block_table", block_table, entries, PAGE_SIZE)
+    out = _check_out(out, t, k, q.device, q=q, q_scales=q_scales, key_cache=key_cache, key_scales=key_scales,
+                     weights=weights, cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k, block_table=block_table)
     return (q.contiguous(), q_scales, key_cache, key_scales, weights.contiguous(), cu_seqlens_q, seq_lens_k,
-            block_table, k, compress_ratio)
+            block_table, k, compress_ratio, out)
 
 
 @declare(facts={"hidden": "x.shape[1]", "heads": "weights_proj.shape[0]", "dim": "wk.shape[0]",

@@ -18,6 +18,16 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 PIPELINE_OP = "indexer_pipeline"  # the pipeline strategy is resolved like an op (problem: tokens, decode, q_lora_quant)
+# The registry info key of an implementation that writes a caller's output buffer: it takes ``out=`` (a tensor of
+# the result's dtype and shape, contiguous, checked by the op) as a keyword, writes every element of it and returns
+# it. An implementation without it (a plugin's, a vendor call that allocates) still serves an op called with
+# ``out=``: the dispatch layer copies its result into the buffer (`dsa_indexer.ops`, `generic.into_out`).
+WRITES_OUT_INFO = "writes_out"
+
+
+def writes_out(info: Mapping[str, Any]) -> bool:
+    """Whether an implementation with registry ``info`` takes ``out=`` and writes its result there."""
+    return bool(info.get(WRITES_OUT_INFO, False))
 
 
 class _Fp8Names(dict):
@@ -51,7 +61,12 @@ class OpDecl:
     ``mutates``: the arguments written in place. ``example``: a typical problem (`dsa-indexer explain`'s and the
     arch matrix's), a subset of the facts. ``target_fp8``: the argument that, left None, takes the target's fp8
     flavour (the target is known above the contract: `dsa_indexer.ops` fills it). ``results``: what implementations
-    return where the public function returns something else (`rmsnorm_quant_fp8` wraps its quant)."""
+    return where the public function returns something else (`rmsnorm_quant_fp8` wraps its quant). ``out``: the
+    keyword-only last argument that names a caller's buffer for the result (``out=``, None: the op allocates); the
+    checks validate it and return it last, after the implementation arguments; it is not one of them (an
+    implementation that declares `WRITES_OUT_INFO` receives it as ``out=``) and the op's schema leaves it out:
+    the buffer is written by a second custom op, ``<name>_out`` (`out_schema`: the arguments, then
+    ``Tensor(a!) out``, returning nothing, as a custom op may not return an alias of its input)."""
 
     name: str
     check: Callable[..., tuple]
@@ -63,18 +78,27 @@ class OpDecl:
     target_fp8: str | None = None
     results: Any = None
     doc: str = ""
+    out: str | None = None
     arguments: tuple[str, ...] = field(init=False)
     schema: str = field(init=False)
+    out_schema: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         signature = inspect.signature(self.check, eval_str=True)
-        parameters = [p for p in signature.parameters.values() if p.name not in self.public_only]
+        parameters = [p for p in signature.parameters.values()
+                      if p.name not in self.public_only and p.name != self.out]
         object.__setattr__(self, "arguments", tuple(p.name for p in parameters))
         for what, names in (("mutates", self.mutates), ("public_only", self.public_only),
-                            ("target_fp8", (self.target_fp8,) if self.target_fp8 else ()),):
+                            ("target_fp8", (self.target_fp8,) if self.target_fp8 else ()),
+                            ("out", (self.out,) if self.out else ())):
             unknown = set(names) - set(signature.parameters)
             if unknown:
                 raise ValueError(f"op {self.name}: {what} names {sorted(unknown)}, which are not arguments")
+        if self.out is not None:
+            last = list(signature.parameters.values())[-1]
+            if last.name != self.out or last.kind is not inspect.Parameter.KEYWORD_ONLY or last.default is not None:
+                raise ValueError(f"op {self.name}: out={self.out!r} must be the last argument, keyword-only, "
+                                 "default None")
         unknown = set(self.example) - set(self.facts)
         if unknown:
             raise ValueError(f"op {self.name}: example names {sorted(unknown)}, which are not facts")
@@ -83,15 +107,22 @@ class OpDecl:
                                                   annotation=p.annotation) for p in parameters],
                                signature.return_annotation if self.results is None else self.results)
         object.__setattr__(self, "schema", torch.library.infer_schema(prototype, mutates_args=self.mutates))
+        out_schema = None
+        if self.out is not None:
+            buffer = inspect.Parameter(self.out, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor)
+            into = _prototype([*prototype.__signature__.parameters.values(), buffer], None)  # type: ignore[attr-defined]
+            out_schema = torch.library.infer_schema(into, mutates_args=(*self.mutates, self.out))
+        object.__setattr__(self, "out_schema", out_schema)
         object.__setattr__(self, "fake", _positional(self.fake, self.arguments))
 
     @property
     def problem_keys(self) -> tuple[str, ...]:
         return tuple(self.facts)
 
-    def schema_with_target(self) -> str:
-        head, _, results = self.schema.rpartition(") ->")
-        return f"{head}{', ' if self.arguments else ''}str? target=None) ->{results}"
+    def schema_with_target(self, schema: str | None = None) -> str:
+        """``schema`` (default: the op's; `out_schema` for its ``<name>_out`` op) with the trailing target."""
+        head, _, results = (schema or self.schema).rpartition(") ->")
+        return f"{head}{', ' if head != '(' else ''}str? target=None) ->{results}"
 
     def facts_function(self) -> Callable[..., tuple]:
         """``f(*arguments) -> tuple of fact values`` in the order of `facts` (generated source, compiled once)."""
@@ -124,7 +155,7 @@ DECLARED: dict[str, OpDecl] = {}
 
 def declare(*, facts: Mapping[str, str], fake: Callable[..., Any], mutates: tuple[str, ...] = (),
             example: Mapping[str, Any] | None = None, public_only: tuple[str, ...] = (), target_fp8: str | None = None,
-            results: Any = None) -> Callable[[Callable[..., tuple]], OpDecl]:
+            results: Any = None, out: str | None = None) -> Callable[[Callable[..., tuple]], OpDecl]:
     """Declare the op named like the decorated function, its public signature and checks (see `OpDecl`); the
     decorated name becomes its `OpDecl`, entered in `DECLARED`."""
     def wrap(check: Callable[..., tuple]) -> OpDecl:
@@ -132,7 +163,7 @@ def declare(*, facts: Mapping[str, str], fake: Callable[..., Any], mutates: tupl
         if name in DECLARED:
             raise ValueError(f"op {name!r} is declared twice")
         decl = OpDecl(name, check, dict(facts), fake, tuple(mutates), dict(example or {}), tuple(public_only),
-                      target_fp8, results, (check.__doc__ or "").strip())
+                      target_fp8, results, (check.__doc__ or "").strip(), out)
         DECLARED[name] = decl
         return decl
 

@@ -347,3 +347,34 @@ def device_argument(name: str, value: object, advice: str = "") -> torch.device:
     if reason is not None:
         raise IndexerInputError(f"{name}={str(device)!r}: {reason}" + (f"; {advice}" if advice else ""))
     return device
+
+
+def _address_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses ``t``'s elements occupy (the strided extent, gaps included)."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def output_buffer(name: str, value: object, *, dtype: torch.dtype, shape: Sequence[int], device: torch.device,
+                  inputs: Iterable[tuple[str, torch.Tensor | None]]) -> torch.Tensor:
+    """A caller's buffer for an op's result (``out=``): ``dtype``, exactly ``shape``, on ``device``, contiguous (the
+    kernels write row r at ``r * shape[-1]`` from its first element: a row slice ``buffer[:rows]`` of a persistent
+    contiguous buffer is fine, a column slice or a transposed view is not), and sharing no memory with any of
+    ``inputs`` (the op would read what it already overwrote). Memory is compared by address spans on real
+    tensors; meta tensors and a trace (torch.compile's fake tensors) have no addresses to compare."""
+    tensor(name, value, dtype=dtype, shape=shape, device=device)
+    assert isinstance(value, torch.Tensor)
+    if not value.is_contiguous():
+        raise IndexerInputError(f"{name} must be contiguous (row-major, element stride 1, row stride {shape[-1]}): "
+                                f"the kernels write into it in place; got strides {list(value.stride())}")
+    if value.numel() == 0 or value.is_meta or torch.compiler.is_compiling():
+        return value
+    low, high = _address_span(value)
+    for input_name, other in inputs:
+        if other is None or other.numel() == 0:
+            continue
+        other_low, other_high = _address_span(other)
+        if other_low < high and low < other_high:
+            raise IndexerInputError(f"{name} shares memory with {input_name}: the op reads {input_name} while "
+                                    f"writing {name}; pass a separate buffer")
+    return value

@@ -295,6 +295,10 @@ class Registry:
         with self._lock:
             for per_op in self._impls.values():
                 per_op.pop(impl_id, None)
+            # The callable its factory built and a failure recorded for it go too: an implementation registered
+            # later under the same id is built from its own factory, not served by the old one's function.
+            self._factories.pop(impl_id, None)
+            self._broken.pop(impl_id, None)
             self._invalidate()
 
     def ops(self) -> list[str]:

@@ -690,9 +690,9 @@ def test_prefill_scoring_reads_deepgemms_padded_logits_without_a_copy(monkeypatc
     setattr(mod, api.ragged_fn, padded_rows)
     seen = []
 
-    def recording_topk(logits, k, ends, starts=None, *rest):
+    def recording_topk(logits, k, ends, starts=None, *rest, **out):
         seen.append(logits)
-        return ref.topk_indices(logits, k, ends, starts, *rest)
+        return ref.topk_indices(logits, k, ends, starts, *rest, **out)
 
     monkeypatch.setattr(lightning, "topk_indices", recording_topk)
     q, k, k_scales, weights, ks, ke = _ragged_problem(heads=64)
@@ -700,6 +700,32 @@ def test_prefill_scoring_reads_deepgemms_padded_logits_without_a_copy(monkeypatc
     want = ref.topk_indices(ref.ragged_mqa_logits(q, k, k_scales, weights, ks, ke), 16, ke, ks)
     assert torch.equal(got, want)
     assert not seen[0].is_contiguous() and seen[0].stride(0) == seen[0].shape[1] + 28
+
+
+@pytest.mark.parametrize("call", ["decode", "decode_slots", "prefill"])
+def test_deepgemm_radix_hands_the_callers_out_to_the_cuda_top_k(monkeypatch, call):
+    """``lightning_indexer`` / ``ragged_mqa_topk`` ``.cuda.deepgemm_radix`` declare writes_out: the caller's buffer
+    goes to the CUDA top-k (the reference stands in for it here, as above), which writes it; the op returns it."""
+    from dsa_indexer.backends.cuda import lightning
+
+    mod = _fake_module("fp8_fp4")
+    api = dg_adapt.detect_api(mod)
+    received = []
+
+    def recording_topk(logits, k, ends, starts=None, *rest, out=None):
+        received.append(out)
+        return ref.topk_indices(logits, k, ends, starts, *rest, out=out)
+
+    monkeypatch.setattr(lightning, "topk_indices", recording_topk)
+    if call == "prefill":
+        args = (*_ragged_problem(heads=64), 16)
+        run, want = lightning.make_ragged_mqa_topk(mod, api), ref.ragged_mqa_topk(*args)
+    else:
+        args = (*_paged_problem(next_n=2), 16, call == "decode_slots")
+        run, want = lightning.make_lightning_indexer(mod, api), ref.lightning_indexer(*args)
+    out = torch.full(want.shape, 12345, dtype=torch.int32)  # no index of this problem: an unwritten one shows
+    assert run(*args, out=out) is out
+    assert received == [out] and torch.equal(out, want)
 
 
 def test_prefill_scoring_resolves_to_deepgemm_and_the_cuda_top_k_when_both_are_there():

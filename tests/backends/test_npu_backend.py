@@ -307,6 +307,18 @@ def test_int8_keys_through_the_quant_indexer_schema(npu):
     assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1))
 
 
+def test_out_is_filled_with_a_copy_of_what_the_npu_indexer_returns(npu):
+    """torch_npu's indexers return tensors of their own (no output argument), so the registration declares no
+    writes_out: a caller's ``out=`` gets one copy of the NPU result, every element, and is returned."""
+    args = (*_int8_indexer_inputs(12), 100)
+    with forced({"lightning_indexer_ragged": NPU_IMPLS["lightning_indexer_ragged"]}):
+        want = ops.lightning_indexer_ragged(*args, target="npu")
+        out = torch.full(want.shape, 12345, dtype=torch.int32)  # no entry index here: one left unwritten shows
+        assert ops.lightning_indexer_ragged(*args, target="npu", out=out) is out
+    assert torch.equal(out, want) and bool((out == -1).any())  # the decode row sees 70 keys, fewer than k
+    assert len([c for c in npu.calls if c[0] == "npu_quant_lightning_indexer"]) == 2  # the NPU op served both
+
+
 def test_the_plain_python_double_still_drives_the_adapter(monkeypatch):
     """The extra form: plain functions (Python signatures, no types) are detected and called the same way."""
     double = install(monkeypatch)

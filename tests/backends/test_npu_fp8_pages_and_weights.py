@@ -114,6 +114,19 @@ def test_fp8_pages_are_read_in_place_on_950_and_match_the_reference(npu):
     assert torch.equal(slots, ref.indices_to_slots(got, table, rows))
 
 
+def test_out_is_filled_with_a_copy_of_what_the_fp8_npu_indexer_returns(npu):
+    """No writes_out at this registration (npu_quant_lightning_indexer returns its own tensors): ``out=`` is filled
+    by one copy of the NPU result, positions and slots alike."""
+    module = npu("op-plugin master", A950)
+    args = _fp8_decode(3)
+    for slots in (False, True):
+        want = ops.lightning_indexer(*args, 48, return_slots=slots, target="npu")
+        out = torch.full(want.shape, -7, dtype=torch.int32)  # -7: neither an index nor the -1 padding
+        assert ops.lightning_indexer(*args, 48, return_slots=slots, target="npu", out=out) is out
+        assert torch.equal(out, want) and bool((out == -1).any())  # the padding row
+    assert len([c for c in module.calls if c[0] == "npu_quant_lightning_indexer"]) >= 4  # the NPU op served
+
+
 @pytest.mark.parametrize("heads", [16, 32])
 def test_fp8_adapter_takes_the_950_head_counts(npu, heads):
     npu("op-plugin 26.1.0", A950)

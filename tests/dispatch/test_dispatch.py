@@ -193,6 +193,26 @@ def test_call_uses_the_cached_function_and_factory_runs_once():
     assert len(calls) == 1
 
 
+def test_an_id_registered_again_after_unregister_runs_its_new_factory():
+    """unregister forgets the function the old factory built (and a failure recorded for it): the same id registered
+    again (a test's stand-in, a plugin reloaded) is served by its own factory."""
+    reg = Registry(environment=Environment.simulated())
+    cpu = Target("cpu", "cpu")
+    reg.register(Implementation("inc", "inc.reference.torch", ("*",), 0, lambda: lambda x: x + 1))
+    assert reg.call("inc", cpu, Problem(), 1) == 2
+    reg.unregister("inc.reference.torch")
+    reg.register(Implementation("inc", "inc.reference.torch", ("*",), 0, lambda: lambda x: x + 10))
+    assert reg.call("inc", cpu, Problem(), 1) == 11
+    reg.unregister("inc.reference.torch")
+    reg.register(Implementation("inc", "inc.reference.torch", ("*",), 0, lambda: None))  # its factory fails
+    with pytest.raises(NoImplementationError), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "could not be built, falling back": there is nothing else
+        reg.call("inc", cpu, Problem(), 1)
+    reg.unregister("inc.reference.torch")
+    reg.register(Implementation("inc", "inc.reference.torch", ("*",), 0, lambda: lambda x: x + 100))
+    assert reg.call("inc", cpu, Problem(), 1) == 101
+
+
 def test_concurrent_resolution_is_consistent():
     reg = _registry()
     results, errors = [], []

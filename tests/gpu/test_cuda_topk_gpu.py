@@ -113,6 +113,19 @@ def test_randn_rows_match_reference(kernel_ready, rows, cols, k):
         _check(logits, k, ends, plan=plan)
 
 
+def test_every_plan_writes_the_callers_out_buffer(kernel_ready):
+    """``out=``: each launch writes the caller's buffer (poisoned with -7 first, which no result holds), every
+    element, and returns it; the same set as the launch without ``out``."""
+    logits = torch.randn(6, 70001, device=DEVICE)
+    ends = torch.randint(35000, 70002, (6,), device=DEVICE, dtype=torch.int32)
+    ends[1] = 100  # fewer columns than k: -1 padding
+    for plan in _plans(6, 70001):
+        want = cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan)
+        out = torch.full((6, 2048), -7, dtype=torch.int32, device=DEVICE)
+        assert cuda_topk.run_plan(logits, 2048, ends, None, None, None, plan, out=out) is out
+        assert torch.equal(out.sort(dim=1).values, want.sort(dim=1).values), f"plan {plan}"
+
+
 @pytest.mark.parametrize("cols", [3000, 20000, 70001])
 def test_adversarial_rows(kernel_ready, cols):
     gen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(0, 1 << 30, ())))

@@ -29,19 +29,27 @@ def test_every_declaration_is_a_public_op_and_a_custom_op():
 def test_the_schema_follows_the_signature(name):
     decl = DECLARED[name]
     check = inspect.signature(decl.check)
-    assert decl.arguments == tuple(p for p in check.parameters if p not in decl.public_only)
+    assert decl.arguments == tuple(p for p in check.parameters if p not in decl.public_only and p != decl.out)
     schema_names = [part.strip().split(" ")[-1] for part in decl.schema[1:decl.schema.rindex(") ->")].split(",")]
     assert tuple(schema_names) == decl.arguments
     assert decl.schema_with_target().split(") ->")[0].endswith("str? target=None")
     for mutated in decl.mutates:
         assert f"!) {mutated}" in decl.schema  # an alias annotation marks what the op writes
+    if decl.out is None:
+        assert decl.out_schema is None
+    else:  # the <op>_out custom op: the same arguments, then the buffer it writes, and no result
+        assert list(check.parameters)[-1] == decl.out
+        assert decl.out_schema.startswith(decl.schema[:decl.schema.rindex(") ->")])
+        assert decl.out_schema.endswith(f"!) {decl.out}) -> ()")
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_the_checks_return_the_signatures_arguments_in_order(name):
     """Read from the source: every return of a check is a tuple naming each argument once, in the signature's
-    order (``float(eps)``, ``x.contiguous()``, ``_fp8_or_target(fp8_dtype)`` name theirs)."""
+    order (``float(eps)``, ``x.contiguous()``, ``_fp8_or_target(fp8_dtype)`` name theirs), then the op's ``out``
+    buffer where it has one."""
     decl = DECLARED[name]
+    returned = decl.arguments + ((decl.out,) if decl.out else ())
     tree = ast.parse(textwrap.dedent(inspect.getsource(decl.check)))
     function = tree.body[0]
     returns = [node for node in ast.walk(function) if isinstance(node, ast.Return)]
@@ -50,9 +58,9 @@ def test_the_checks_return_the_signatures_arguments_in_order(name):
         assert isinstance(node.value, ast.Tuple), f"{name}: a check returns the arguments as a tuple"
         named = []
         for element in node.value.elts:
-            names = [n.id for n in ast.walk(element) if isinstance(n, ast.Name) and n.id in decl.arguments]
+            names = [n.id for n in ast.walk(element) if isinstance(n, ast.Name) and n.id in returned]
             named.append(names[0] if names else None)
-        assert tuple(named) == decl.arguments
+        assert tuple(named) == returned
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -35,6 +35,7 @@ from ...dispatch.registry import Registry
 from ...dispatch.target import Target
 from ...dispatch.verification import Level, Verified, ran_on
 from ...contract.quant import Fp8GroupLayout
+from ...contract.specs import WRITES_OUT_INFO
 from ...contract.step import STEP_CONTEXT_INFO
 from .flashinfer_topk import CAPABILITIES as FLASHINFER_CAPS  # imports no flashinfer (its probe and factory do)
 
@@ -299,8 +300,11 @@ def dsa_indexer_register(registry: Registry) -> None:
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.radix", targets=JIT_TARGETS,
                             priority=JIT_PRIORITY, requires=("gpu", "cuda_jit"),
                             description="CUDA C++ cluster radix select, rows in shared memory (JIT-built)",
+                            info={WRITES_OUT_INFO: True},  # the kernel stores into the caller's buffer
                             verified=RADIX_VERIFIED)(_topk_factory)
     registry.add_probe("flashinfer", _flashinfer_probe)
+    # No writes_out: FlashInfer's top_k_ragged_transform returns a tensor of its own (its documented call takes no
+    # output buffer), so a caller's out= is filled by the dispatch layer with one copy (dsa_indexer.ops).
     registry.implementation("topk_indices", impl_id="topk_indices.cuda.flashinfer", targets=JIT_TARGETS,
                             priority=60, requires=("gpu", "flashinfer"), capabilities=FLASHINFER_CAPS,
                             description="FlashInfer top_k_ragged_transform, deterministic lower-index ties",
@@ -309,19 +313,21 @@ def dsa_indexer_register(registry: Registry) -> None:
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_lightning_available, capabilities=PAGED_CAPS,  # its logits half
                             description="DeepGEMM paged logits (unmasked, per-step schedule) + the CUDA top-k",
-                            info={STEP_CONTEXT_INFO: True},
+                            info={STEP_CONTEXT_INFO: True, WRITES_OUT_INFO: True},
                             verified=LIGHTNING_VERIFIED)(_lightning_factory)
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.cuda.deepgemm_radix",
                             targets=DEEPGEMM_TARGETS, priority=JIT_PRIORITY, requires=("gpu", "deep_gemm", "cuda_jit"),
                             available=_available("ragged_mqa_logits"), capabilities=LOGITS_CAPS,
                             description="DeepGEMM ragged logits read in their padded rows by the CUDA top-k (no "
                                         "contiguous copy of the logits)",
+                            info={WRITES_OUT_INFO: True},
                             verified=RAGGED_TOPK_VERIFIED)(_ragged_topk_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.cuda.fused", targets=JIT_TARGETS,
                             priority=FUSED_LIGHTNING_PRIORITY, requires=("gpu", "cuda_jit"),
                             capabilities=FUSED_LIGHTNING_CAPS,
                             description="one CUDA kernel: fp8 mma.sync paged logits in shared memory + cluster radix "
                                         "top-k (JIT-built; opt-in: slower than DeepGEMM + radix on the H200)",
+                            info={WRITES_OUT_INFO: True},
                             verified=FUSED_LIGHTNING_VERIFIED)(_fused_lightning_factory)
     from .dual_stream import register_dual_stream
 

@@ -37,12 +37,12 @@ def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[...
 
     def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
                           block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False, *,
-                          context: StepContext | None = None) -> torch.Tensor:
+                          context: StepContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = unmasked(q, kv_cache, weights, context_lens, block_table, max_context_len, context)
         ends = context_lens.reshape(-1)
         if not return_slots:
-            return topk_indices(logits, k, ends)
-        return topk_indices(logits, k, ends, None, block_table, _row_requests(context_lens, context))
+            return topk_indices(logits, k, ends, out=out)
+        return topk_indices(logits, k, ends, None, block_table, _row_requests(context_lens, context), out=out)
 
     lightning_indexer.api = api  # type: ignore[attr-defined]
     return lightning_indexer
@@ -56,8 +56,9 @@ def make_ragged_mqa_topk(module: ModuleType, api: DeepGemmApi) -> Callable[..., 
     padded = make_ragged_mqa_logits(module, api).padded  # type: ignore[attr-defined]
 
     def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                        ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
-        return topk_indices(padded(q, k, k_scales, weights, ks, ke), topk, ke, ks)
+                        ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        return topk_indices(padded(q, k, k_scales, weights, ks, ke), topk, ke, ks, out=out)
 
     ragged_mqa_topk.api = api  # type: ignore[attr-defined]
     return ragged_mqa_topk

@@ -132,10 +132,10 @@ def run(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
-                      ) -> torch.Tensor:
-    """int32 [B * next_n, k]: the reference's `lightning_indexer`, in one kernel."""
-    return run(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots)
+                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [B * next_n, k]: the reference's `lightning_indexer`, in one kernel (writing ``out`` if given)."""
+    return run(q, kv_cache, weights, context_lens, block_table, max_context_len, k, return_slots, out=out)
 
 
 def _self_test_case(device: torch.device, next_n: int, seed: int):

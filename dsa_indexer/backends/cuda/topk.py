@@ -243,19 +243,24 @@ def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [R, k]: the k largest of each row within [starts, ends), ties to the lower column, a NaN ranked as
-    -inf; -1 padded when the window holds <= k columns. Same signature as the reference."""
-    return run_plan(logits, k, ends, starts, block_table, row_request, None)
+    -inf; -1 padded when the window holds <= k columns. Same signature as the reference; ``out``: the caller's
+    contiguous int32 [R, k] buffer the kernel writes (every element), returned."""
+    return run_plan(logits, k, ends, starts, block_table, row_request, None, out=out)
 
 
 def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None,
-             block_table: torch.Tensor | None, row_request: torch.Tensor | None, forced: Plan | None
-             ) -> torch.Tensor:
-    """`topk_indices` with the launch ``forced`` (tests and benchmarks compare plans) or, when None, planned."""
+             block_table: torch.Tensor | None, row_request: torch.Tensor | None, forced: Plan | None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """`topk_indices` with the launch ``forced`` (tests and benchmarks compare plans) or, when None, planned.
+    ``out``: the caller's buffer (contiguous int32 [rows, k], checked by the op): its pointer goes to the kernel,
+    which writes row r at ``out + r * k``, so no result is allocated or copied."""
     rows, cols = logits.shape
     device = logits.device
-    out = torch.empty((rows, k), dtype=torch.int32, device=device)
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=device)
     if rows == 0:
         return out
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -277,7 +282,7 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
     if launch is None:
         from ..triton.topk import topk_indices as wide_rows  # any width; the op's contract is the same
 
-        return wide_rows(logits, k, ends, starts, block_table, row_request)
+        return wide_rows(logits, k, ends, starts, block_table, row_request, out=out)
     ends = ends.contiguous()
     starts = starts.contiguous() if starts is not None else None
     bt = None

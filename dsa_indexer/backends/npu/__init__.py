@@ -223,6 +223,9 @@ def dsa_indexer_register(registry: Registry) -> None:
 
         return make_two_stream()
 
+    # Neither registration declares writes_out: torch_npu's lightning indexers return new (indices, values)
+    # tensors and take no output argument (tests/data/torch_npu_schemas.json), so a caller's out= buffer is filled
+    # by the dispatch layer with one copy of the result (dsa_indexer.ops).
     registry.implementation("lightning_indexer_ragged", impl_id="lightning_indexer_ragged.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
                             supports=_indexer_api_supports,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...contract.specs import WRITES_OUT_INFO
 from ...dispatch.plugins import hookimpl
 from ...dispatch.registry import Registry
 from ...dispatch.verification import CPU_SUITE, ran_on
@@ -29,11 +30,14 @@ def _factory(name: str):
 @hookimpl
 def dsa_indexer_register(registry: Registry) -> None:
     from ...contract.declarations import OPS
+    from ...contract.specs import DECLARED
     from ...contract.quant import GEMM_INPUT_LAYOUT
 
     for op in OPS:  # every op has its pure-torch oracle
         # The GEMM states the activation layout it takes: what a reusable q_lora_quant must match.
-        info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
+        info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else {}
+        if DECLARED[op].out is not None:  # the top-k ops write a caller's buffer (out=) in place
+            info[WRITES_OUT_INFO] = True
         registry.implementation(op, impl_id=f"{op}.reference.torch", targets=("*",), priority=REFERENCE_PRIORITY,
                                 description="pure torch, any device", info=info,
                                 verified=(CPU_SUITE, *((H200_RUNS[op],) if op in H200_RUNS else ()))

@@ -168,7 +168,9 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out``: the caller's int32 [rows, k] buffer (checked by the op), written whole and returned."""
     rows, cols = logits.shape
     device = logits.device
     starts_l = torch.zeros(rows, dtype=torch.long, device=device) if starts is None else starts.long()
@@ -187,23 +189,29 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     count = (ends_l - starts_l).clamp(0, k)
     slot = torch.arange(take, device=device)
     local = torch.where(slot[None, :] < count[:, None], order - starts_l[:, None], torch.full_like(order, -1))
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=device)
-    out[:, :take] = local.to(torch.int32)
     if block_table is not None:
         req = torch.arange(rows, device=device) if row_request is None else row_request
-        out = indices_to_slots(out, block_table, req)
+        positions = torch.full((rows, k), -1, dtype=torch.int32, device=device)
+        positions[:, :take] = local.to(torch.int32)
+        slots = indices_to_slots(positions, block_table, req)
+        # The slot transform makes a tensor of its own (a gather): into the caller's buffer by one copy.
+        return slots if out is None else out.copy_(slots)
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=device)
+    out[:, take:] = -1
+    out[:, :take] = local
     return out
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
-                      ) -> torch.Tensor:
-    """Pure-torch paged logits, then pure-torch top-k (the oracle of fused implementations)."""
+                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch paged logits, then pure-torch top-k (the oracle of fused implementations), into ``out`` if given."""
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not return_slots:
-        return topk_indices(logits, k, context_lens.reshape(-1))
+        return topk_indices(logits, k, context_lens.reshape(-1), out=out)
     return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
-                        decode_row_requests(q.shape[0], q.shape[1], q.device))
+                        decode_row_requests(q.shape[0], q.shape[1], q.device), out=out)
 
 
 def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
@@ -243,8 +251,8 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
 
 
 def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                    ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
-    return topk_indices(ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks)
+                    ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    return topk_indices(ragged_mqa_logits(q, k, k_scales, weights, ks, ke), topk, ke, ks, out=out)
 
 
 # --- the plain paged layouts (paged64_bf16, paged64_int8) ------------------------------------------------------
@@ -292,11 +300,12 @@ def k_prologue_store_plain(k: torch.Tensor, norm_weight: torch.Tensor | None, no
 
 def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache: torch.Tensor,
                              key_scales: torch.Tensor, weights: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, compress_ratio: int = 1
-                             ) -> torch.Tensor:
-    """Request by request: its visible entries dequantized to fp32, fp32 scores, the reference top-k."""
+                             seq_lens_k: torch.Tensor, block_table: torch.Tensor, k: int, compress_ratio: int = 1,
+                             *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Request by request: its visible entries dequantized to fp32, fp32 scores, the reference top-k (into ``out``
+    if given: a request's rows are written in place, rows that see no entry get -1)."""
     rows, heads, _ = q.shape
-    out = torch.full((rows, k), -1, dtype=torch.int32, device=q.device)
+    out = torch.full((rows, k), -1, dtype=torch.int32, device=q.device) if out is None else out.fill_(-1)
     qf = q.float()
     if q.dtype == torch.int8:
         qf = qf * q_scales.float()[..., None]
@@ -316,7 +325,7 @@ def lightning_indexer_ragged(q: torch.Tensor, q_scales: torch.Tensor, key_cache:
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             logits = _weighted_relu_scores(qf[start + lo:start + hi], keys, weights[start + lo:start + hi].float())
-            out[start + lo:start + hi] = topk_indices(logits, k, ends[lo:hi])
+            topk_indices(logits, k, ends[lo:hi], out=out[start + lo:start + hi])
     return out
 
 

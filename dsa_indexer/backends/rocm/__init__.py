@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract.specs import fp8_name
+from ...contract.specs import WRITES_OUT_INFO, fp8_name
 from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.environment import Environment
 from ...dispatch.plugins import hookimpl
@@ -318,7 +318,8 @@ def dsa_indexer_register(registry: Registry) -> None:
         supports=_topk_supports, capabilities=TOPK_CAPS,
         description="aiter HIP top_k_per_row_decode(stable=True) (k=2048): ties to the lower index, deterministic",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode(stable=True)",
-              "ties": "stable=True: the smallest indices among values equal to the k-th (this op's contract)"},
+              "ties": "stable=True: the smallest indices among values equal to the k-th (this op's contract)",
+              WRITES_OUT_INFO: True},  # aiter writes its indices argument in place: the caller's buffer
         verified=TOPK_VERIFIED,
     )(_topk_factory)
     registry.implementation(
@@ -327,6 +328,7 @@ def dsa_indexer_register(registry: Registry) -> None:
         capabilities=TOPK_CAPS,
         description="aiter HIP top_k_per_row_decode (k=2048); ties NOT lower-index (atomics): opt-in, below Triton",
         info={"vendor_function": "aiter.ops.topk.top_k_per_row_decode",
-              "ties": "which of several equal logits at the k-th value are kept is not deterministic"},
+              "ties": "which of several equal logits at the k-th value are kept is not deterministic",
+              WRITES_OUT_INFO: True},
         verified=TOPK_VERIFIED,
     )(_topk_factory)

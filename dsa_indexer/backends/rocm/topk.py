@@ -23,7 +23,8 @@ What aiter 0.1.7.post2.dev18's HIP source (csrc/kernels/topk_per_row_kernels.cu)
   stays graph-capturable; it also gives the kernel the contiguous, 16-byte-aligned rows it reads.
 
 Physical-slot output (``block_table`` given) is converted from the request-local result with the reference's
-`indices_to_slots` (a gather, no sync). Never run on AMD hardware in this project (the kernel is HIP-only); the
+`indices_to_slots` (a gather, no sync). A caller's ``out=`` buffer is the kernel's ``indices`` argument itself (no
+copy); only the slot transform, which gathers into a tensor of its own, is copied back into it. Never run on AMD hardware in this project (the kernel is HIP-only); the
 CPU tests check the argument handling against a fake built on the reference.
 """
 
@@ -74,13 +75,15 @@ def make_topk_indices(top_k_per_row_decode: Callable | None = None) -> Callable[
         extra["k"] = TOPK
 
     def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
-                     block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
+                     block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         if k != TOPK or starts is not None:
             raise ValueError(f"aiter's top_k_per_row_decode serves k={TOPK} with rows starting at column 0 "
                              f"(got k={k}, starts {'given' if starts is not None else 'None'}); resolution should "
                              "have picked another implementation")
         rows = logits.shape[0]
-        out = torch.full((rows, TOPK), -1, dtype=torch.int32, device=logits.device)
+        # -1 first: the kernel's own padding is read from its source, not relied on (every element is written).
+        out = torch.full((rows, TOPK), -1, dtype=torch.int32, device=logits.device) if out is None else out.fill_(-1)
         if rows:
             # NaN ranks as -inf (the library's rule; the kernel would rank it first). The result is a fresh
             # contiguous tensor, as the kernel needs: it reads rows with 16-byte vector loads from the base pointer.
@@ -93,7 +96,7 @@ def make_topk_indices(top_k_per_row_decode: Callable | None = None) -> Callable[
             from ...contract.cache import indices_to_slots
 
             req = torch.arange(rows, device=logits.device) if row_request is None else row_request
-            out = indices_to_slots(out, block_table, req)
+            return out.copy_(indices_to_slots(out, block_table, req))
         return out
 
     return topk_indices

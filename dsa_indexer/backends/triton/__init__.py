@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 
+from ...contract.specs import WRITES_OUT_INFO
 from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.plugins import hookimpl
 from ...dispatch.registry import Registry
@@ -145,6 +146,8 @@ def dsa_indexer_register(registry: Registry) -> None:
         # The GEMM states the activation layout it takes (per-token groups of 128, fp32 row-major scales, the
         # target's fp8 flavour): what a reusable q_lora_quant must match, on NVIDIA and AMD alike.
         info = {"input_layout": GEMM_INPUT_LAYOUT} if op == "gemm_fp8_blockscale" else None
+        if op == "topk_indices":
+            info = {WRITES_OUT_INFO: True}  # its kernels store into the caller's buffer
         targets = NVIDIA_ONLY.get(op, TRITON_TARGETS)
         registry.implementation(op, impl_id=f"{op}.triton.{module}", targets=targets,
                                 priority=TRITON_PRIORITY,
@@ -166,7 +169,7 @@ def dsa_indexer_register(registry: Registry) -> None:
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             capabilities=_capabilities("ragged_mqa_topk"),
                             description="Triton: sampled threshold, candidate pass, exact select; no [S, N] logits",
-                            info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes},
+                            info={"plan_key_bytes": 0, "plan_row_bytes": _fused_row_bytes, WRITES_OUT_INFO: True},
                             verified=_verified(H200_FUSED_TOPK_RUN, INTERPRETER_TESTS["ragged_mqa_topk"],
                                                TRITON_TARGETS)
                             )(_factory("fused_topk", "ragged_mqa_topk"))

@@ -472,6 +472,8 @@ def scratch_bytes_per_row(topk: int, capacity: int | None = None) -> int:
 
 
 def ragged_mqa_topk(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
-                    ks: torch.Tensor, ke: torch.Tensor, topk: int) -> torch.Tensor:
-    """The op ``ragged_mqa_topk`` (a set per row, like ``topk_indices``): `fused_ragged_topk` without its sort."""
-    return fused_ragged_topk(q_fp8, k_fp8, k_scales, weights, ks, ke, topk, sort="none")
+                    ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """The op ``ragged_mqa_topk`` (a set per row, like ``topk_indices``): `fused_ragged_topk` without its sort,
+    into ``out`` if given."""
+    return fused_ragged_topk(q_fp8, k_fp8, k_scales, weights, ks, ke, topk, sort="none", out=out)

@@ -537,11 +537,14 @@ def _topk_config(rows: int, cols: int, device: torch.device) -> dict:
 
 
 def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Tensor | None = None,
-                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [R, k]: the k largest of each row within [starts, ends) (see the module docstring)."""
+                 block_table: torch.Tensor | None = None, row_request: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [R, k]: the k largest of each row within [starts, ends) (see the module docstring). ``out``: the
+    caller's contiguous int32 [R, k] buffer the kernels write (row r at ``out + r * k``, every element), returned."""
     rows, cols = logits.shape
     device = logits.device
-    out = torch.empty((rows, k), dtype=torch.int32, device=device)
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=device)
     if rows == 0:
         return out
     if cols == 0:
@@ -587,14 +590,14 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
 
 
 def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False
-                      ) -> torch.Tensor:
+                      block_table: torch.Tensor, max_context_len: int, k: int, return_slots: bool = False, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Paged logits, then the top-k of each row over its context: int32 [B * next_n, k] request-local positions
-    (or cache slots with ``return_slots``)."""
+    (or cache slots with ``return_slots``), written into ``out`` if given."""
     logits = paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not return_slots:
-        return topk_indices(logits, k, context_lens.reshape(-1))
+        return topk_indices(logits, k, context_lens.reshape(-1), out=out)
     from ...contract.cache import decode_row_requests as _row_requests
 
     return topk_indices(logits, k, context_lens.reshape(-1), None, block_table,
-                        _row_requests(q.shape[0], q.shape[1], q.device))
+                        _row_requests(q.shape[0], q.shape[1], q.device), out=out)
