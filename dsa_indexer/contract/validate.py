@@ -252,7 +252,7 @@ def in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None
     # so few; the range is computed for the message only). The flag reads come first, the compile test before the
     # context variable and the size: torch.compile traces neither (values are symbolic there).
     if t.is_cpu and t.ndim == 1 and not _compiling() and not CPU_AS_DEVICE.get() and t.numel() <= _FEW:
-        values = t.tolist()
+        values = t.tolist() if t.numel() != 1 else (t.item(),)  # (one value, a decode step of one request: half)
         for value in values:
             if value < low or value >= high:
                 _refuse_range(name, min(values), max(values), low, high, what)
