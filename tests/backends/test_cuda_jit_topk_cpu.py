@@ -117,11 +117,22 @@ def test_rows_too_wide_for_eight_ctas_have_no_plan():
     assert cuda_topk.plan_for(1, 8 * 48 * 1024, 132, 4) is None  # the Triton top-k serves such rows
 
 
+@pytest.fixture
+def width_plans(monkeypatch):
+    """The plan with ROUTE_ROWS off: the rules that choose one kernel for every row from the launch's width (what
+    the plan does where the routed launch is off, and beside which benchmarks time it). plan_for is cached per
+    shape: cleared on the way in and out."""
+    monkeypatch.setattr(cuda_topk, "ROUTE_ROWS", False)
+    cuda_topk.plan_for.cache_clear()
+    yield
+    cuda_topk.plan_for.cache_clear()
+
+
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
     (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (1, 16385, 5, 8), (200, 8192, 1, 16),
     (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (128, 32768, 2, 32),
     (1, 131072, 16, 16), (31, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
-def test_register_plan(rows, cols, cluster, keys):
+def test_register_plan(width_plans, rows, cols, cluster, keys):
     got = cuda_topk.plan_for(rows, cols, 132, 4)
     assert got == cuda_topk.Plan("registers", cluster, keys)
     assert keys in cuda_topk.REGISTERS_KEYS and 1 <= cluster <= cuda_topk.REGISTERS_MAX_CLUSTER
@@ -132,7 +143,7 @@ def test_register_plan(rows, cols, cluster, keys):
 
 @pytest.mark.parametrize("rows,cols", [(32, 8192), (128, 8192), (132, 16384), (1, 4096), (1, 100), (64, 2048),
                                        (1, 8192), (5, 4097)])
-def test_a_wave_of_short_decode_rows_takes_the_streaming_kernel(rows, cols):
+def test_a_wave_of_short_decode_rows_takes_the_streaming_kernel(width_plans, rows, cols):
     """Up to one CTA per SM of rows <= 16K columns: the streaming kernel, which selects each in registers; more
     rows, or longer rows (fewer than 32 of them or at most 64K columns), keep the register kernel."""
     assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
@@ -142,18 +153,18 @@ def test_a_wave_of_short_decode_rows_takes_the_streaming_kernel(rows, cols):
 
 @pytest.mark.parametrize("rows,cols", [(128, 131072), (300, 40000), (128, 262144), (32, 131072), (64, 131072),
                                        (32, 163840), (32, 65537)])
-def test_many_long_rows_take_the_streaming_kernel(rows, cols):
+def test_many_long_rows_take_the_streaming_kernel(width_plans, rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
 
 
 @pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (31, 131072), (1, 163840), (32, 65536),
                                        (128, 262145)])
-def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(rows, cols):
+def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(width_plans, rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4).kernel != "stream"
 
 
 @pytest.mark.parametrize("rows,cols", [(64, 32768), (128, 32768), (64, 65536)])
-def test_many_rows_at_v4_k_512_stream_from_32k_columns(rows, cols):
+def test_many_rows_at_v4_k_512_stream_from_32k_columns(width_plans, rows, cols):
     """V4's k = 512: 64+ rows of >= 32K columns stream; the same rows at k = 2048, fewer rows, or shorter ones keep
     the register clusters."""
     assert cuda_topk.plan_for(rows, cols, 132, 4, 512) == cuda_topk.Plan("stream", 1, 0)
