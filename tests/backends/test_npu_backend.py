@@ -110,7 +110,7 @@ def test_explain_shows_the_npu_pipeline_and_ops_with_reasons(capsys):
     assert "problem (cache=paged64_bf16" in out  # the layout allocate_cache picks on npu
     assert main(["explain", "lightning_indexer_ragged", "--target", "npu", "--problem", "heads=16",
                  "--assume", "torch_npu=yes"]) in (0, None)
-    assert "heads=16: torch_npu's indexers take 64 query heads" in capsys.readouterr().out
+    assert "heads=16: torch_npu's lightning indexer takes 64" in capsys.readouterr().out
 
 
 def test_strict_mode_raises_on_npu_without_torch_npu(monkeypatch):
@@ -237,7 +237,8 @@ def test_v4_on_npu_refuses_the_c4_indexer_and_runs_its_prologues_on_the_npu_ops(
         out.append(idx(x, q_lora, db.positions, db, cache, compressor_state=state))
         return out
 
-    with pytest.warns(RuntimeWarning, match="compressed keys \\(compress_ratio 4"):
+    with pytest.warns(RuntimeWarning, match="ratio=4: torch_npu's lightning indexer takes 1 \\(uncompressed keys: "
+                                            "no released torch_npu indexer"):
         got = steps(cache, state)
     names = [c[0] for c in npu.calls]
     assert "npu_quant_lightning_indexer" not in names and "npu_lightning_indexer" not in names
@@ -343,8 +344,9 @@ def test_the_plain_python_double_still_drives_the_adapter(monkeypatch):
 def test_constraints_are_problem_checks_with_reasons(npu):
     reg = default_registry()
     target = Indexer(V32_SMALL, target="npu").target
-    for facts, words in ((dict(heads=16), "heads=16"), (dict(k=4096), "k=4096: torch_npu's sparse_count is 1..2048"),
-                         (dict(dim=64), "head dim 64")):
+    refusals = ((dict(heads=16), "heads=16"), (dict(k=4096), "k=4096: torch_npu's lightning indexer takes 1..2048"),
+                (dict(dim=64), "head dim 64"))
+    for facts, words in refusals:
         problem = ops.problem("lightning_indexer_ragged", **{"heads": 64, "dim": 128, "k": 2048, "format": "bf16",
                                                              "ratio": 1, **facts})
         res = reg.resolve("lightning_indexer_ragged", target, problem)

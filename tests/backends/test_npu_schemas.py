@@ -24,6 +24,7 @@ from dsa_indexer.backends.npu.lightning import make_lightning_indexer_ragged
 from dsa_indexer.contract.validate import IndexerInputError
 from dsa_indexer.dispatch.environment import Environment
 from dsa_indexer.dispatch.plugins import default_registry
+from dsa_indexer.dispatch.target import parse_target as resolve_target
 
 RELEASES = sorted(SCHEMAS["schemas"])
 NPU_STORE = "k_prologue_store_plain.npu.torch_npu"
@@ -237,11 +238,16 @@ def test_a_positional_name_or_result_count_that_differs_is_refused():
 def test_compressed_keys_are_refused_and_the_published_schema_rejects_cmp_ratio(probed):
     module = probed()
     assert npu_backend.torch_npu_probe() is None
+    target = resolve_target("npu")
     problem = ops.problem("lightning_indexer_ragged", heads=64, dim=128, k=512, format="int8", ratio=4)
-    (reason,) = npu_backend._indexer_api_supports(problem, None)  # every reason at once: the ratio is the only one
+    res = default_registry().resolve("lightning_indexer_ragged", target, problem)
+    reason = next(c.reason for c in res.candidates if c.impl.impl_id == NPU_INDEXER)
+    # every reason at once: the declared ratio is the only one
+    assert reason.startswith("ratio=4: torch_npu's lightning indexer takes 1 (uncompressed keys")
     assert "compress_ratio 4" in reason and "no released torch_npu indexer" in reason
-    assert npu_backend._indexer_api_supports(ops.problem("lightning_indexer_ragged", heads=64, dim=128, k=512,
-                                                         format="int8", ratio=1), None) == []
+    assert res.chosen.impl_id == REF["lightning_indexer_ragged"]
+    assert default_registry().resolve("lightning_indexer_ragged", target, ops.problem(
+        "lightning_indexer_ragged", heads=64, dim=128, k=512, format="int8", ratio=1)).chosen.impl_id == NPU_INDEXER
     q = torch.zeros(1, 64, 128, dtype=torch.int8)
     # query, key, weights, query_dequant_scale, key_dequant_scale: the published positional order
     args = (q, torch.zeros(1, 64, 1, 128, dtype=torch.int8), torch.ones(1, 64, dtype=torch.float16),

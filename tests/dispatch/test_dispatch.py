@@ -266,8 +266,8 @@ def test_a_supports_check_may_report_every_failing_fact_at_once():
     load_plugins(reg, entry_points=False)
     res = reg.resolve("lightning_indexer_ragged", Target("npu", "npu"), Problem(heads=16, k=4096, format="bf16"))
     reason = next(c.reason for c in res.candidates if c.impl.impl_id == "lightning_indexer_ragged.npu.torch_npu")
-    assert reason == ("heads=16: torch_npu's indexers take 64 query heads; k=4096: torch_npu's sparse_count is "
-                      "1..2048")
+    assert reason == ("heads=16: torch_npu's lightning indexer takes 64; k=4096: torch_npu's lightning indexer "
+                      "takes 1..2048 (its sparse_count)")
     ok = reg.resolve("lightning_indexer_ragged", Target("npu", "npu"), Problem(heads=64, k=2048, format="bf16"))
     assert ok.chosen.impl_id == "lightning_indexer_ragged.npu.torch_npu"  # an empty list says yes
 

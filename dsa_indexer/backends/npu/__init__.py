@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ...dispatch.capabilities import Capabilities
+from ...dispatch.capabilities import Capabilities, Rule
 from ...dispatch.plugins import hookimpl
 from ...dispatch.problem import Problem
 from ...dispatch.registry import Registry
@@ -104,36 +104,35 @@ def detected_api() -> npu_api.NpuApi:
     return api
 
 
-def _indexer_supports(problem: Problem, target: Target) -> list[str]:
-    """Every shape fact torch_npu's indexers cannot take (an empty list: all can)."""
-    heads, dim, k = problem.get("heads"), problem.get("dim"), problem.get("k")
-    reasons = []
-    if heads not in (None, HEADS):
-        reasons.append(f"heads={heads}: torch_npu's indexers take {HEADS} query heads")
-    if dim not in (None, HEAD_DIM):
-        reasons.append(f"head dim {dim}: torch_npu's indexers take {HEAD_DIM}")
-    if k is not None and not 1 <= k <= MAX_K:
-        reasons.append(f"k={k}: torch_npu's sparse_count is 1..{MAX_K}")
-    return reasons
-
-
+# What torch_npu's kernels take that is a fact of the problem, declared (dispatch/capabilities.py): the registry
+# reports every failing fact at once, before the `supports` checks below, which keep what the problem cannot say (the
+# probed release's operators, the Ascend product).
+_SPARSE_COUNT = Rule(lambda k: 1 <= k <= MAX_K, f"1..{MAX_K} (its sparse_count)")
 # What was checked: op-plugin's published schemas (master 517f2e7d, branches 7.3.0, 26.0.0, 26.1.0) of both indexers
 # have no compression-ratio argument (and there is no metadata op); the C4 indexers of the Ascend serving stacks are
 # separate custom-op packages with their own schemas, none of which this adapter binds.
-C4_REFUSED = ("compressed keys (compress_ratio {ratio}, V4's C4 indexer): no released torch_npu indexer takes a "
-              "compression ratio (op-plugin master 517f2e7d, 7.3.0, 26.0.0, 26.1.0); the reference serves it")
+C4_REFUSED = ("1 (uncompressed keys: no released torch_npu indexer takes a compression ratio, op-plugin master "
+              "517f2e7d, 7.3.0, 26.0.0 and 26.1.0, so V4's C4 indexer, compress_ratio 4, is served by the reference)")
+INDEXER_CAPS = Capabilities("torch_npu's lightning indexer", heads=(HEADS,), dim=(HEAD_DIM,), k=_SPARSE_COUNT,
+                            ratio=Rule(lambda ratio: ratio == 1, C4_REFUSED))
+# npu_quant_lightning_indexer's fp8 path, on Ascend 950 (op-plugin 26.1.0 09024aa9 / master 517f2e7d docs).
+FP8_HEADS = (8, 16, 24, 32, 64)
+FP8_PAGES_CAPS = Capabilities("Ascend 950's fp8 indexer", heads=FP8_HEADS, dim=(HEAD_DIM,), k=_SPARSE_COUNT,
+                              keys=Rule(lambda keys: keys == "fp8", "fp8 (V4's FP4 pages, 68 bytes: no torch_npu "
+                                                                    "indexer reads e2m1 keys)"),
+                              fp8=Rule(lambda fp8: fp8 == "fn", "fn (float8_e4m3fn)"))
+_PLAIN_DIM = Rule(lambda dim: dim == HEAD_DIM, f"{HEAD_DIM} (what the plain layouts hold)")
+K_PROLOGUE_CAPS = Capabilities("torch_npu's k prologue", dim=_PLAIN_DIM)
+Q_PROLOGUE_CAPS = Capabilities("torch_npu's q prologue", dim=_PLAIN_DIM)
 
 
 def _indexer_api_supports(problem: Problem, target: Target) -> list[str]:
-    """Every reason at once: the shape facts (`_indexer_supports`), the compression ratio, and what the probed
-    torch_npu has (not problem data: the installed release decides)."""
-    reasons = _indexer_supports(problem, target)
-    ratio = problem.get("ratio")
-    if ratio not in (None, 1):
-        reasons.append(C4_REFUSED.format(ratio=ratio))
+    """What the probed torch_npu lacks for this problem's keys (not problem data: the installed release decides),
+    every reason at once; the shape facts and the compression ratio are `INDEXER_CAPS`."""
     api = LIBRARY.detected_api()
     if api is None:  # not probed (a simulated environment): assume the published current API
-        return reasons
+        return []
+    reasons = []
     fmt = problem.get("format")
     if fmt == "bf16" and api.indexer is None:
         reasons.append(f"{api.why_not(npu_api.INDEXER)} (bf16 keys)")
@@ -144,13 +143,12 @@ def _indexer_api_supports(problem: Problem, target: Target) -> list[str]:
 
 def _prologue_supports(store: bool):
     def check(problem: Problem, target: Target) -> list[str]:
-        """Every reason at once: the head dim, then what the probed torch_npu lacks (its release decides)."""
-        reasons = []
-        if problem.get("dim") not in (None, HEAD_DIM):
-            reasons.append(f"head dim {problem.get('dim')}: the plain layouts hold {HEAD_DIM}")
+        """What the probed torch_npu lacks (its release decides), every reason at once; the head dim is
+        `K_PROLOGUE_CAPS` / `Q_PROLOGUE_CAPS`."""
         api = LIBRARY.detected_api()
         if api is None:  # not probed (a simulated environment): assume the documented current API
-            return reasons
+            return []
+        reasons = []
         needed = [(api.rotary, npu_api.ROTARY)]
         if store:
             needed.append((api.scatter, npu_api.SCATTER))
@@ -166,10 +164,11 @@ def _prologue_supports(store: bool):
     return check
 
 
-def _fp8_pages_supports(problem: Problem, target: Target) -> list[str] | str | None:
+def _fp8_pages_supports(problem: Problem, target: Target) -> list[str]:
+    """The Ascend product and the probed release (not problem data); the shape facts are `FP8_PAGES_CAPS`."""
     from .lightning import fp8_supports
 
-    return fp8_supports(problem, LIBRARY.detected_api())
+    return fp8_supports(LIBRARY.detected_api())
 
 
 # The layouts its steps write: the plain ones torch_npu's indexers read.
@@ -228,11 +227,12 @@ def dsa_indexer_register(registry: Registry) -> None:
     # by the dispatch layer with one copy of the result (dsa_indexer.ops).
     registry.implementation("lightning_indexer_ragged", impl_id="lightning_indexer_ragged.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
-                            supports=_indexer_api_supports,
+                            capabilities=INDEXER_CAPS, supports=_indexer_api_supports,
                             description="torch_npu npu_lightning_indexer (bf16) / npu_quant_lightning_indexer (int8)",
                             verified=SCHEMA_VERIFIED)(indexer_factory)
     registry.implementation("lightning_indexer", impl_id="lightning_indexer.npu.torch_npu_fp8", targets=("npu",),
-                            priority=NPU_PRIORITY, requires=requires, supports=_fp8_pages_supports,
+                            priority=NPU_PRIORITY, requires=requires, capabilities=FP8_PAGES_CAPS,
+                            supports=_fp8_pages_supports,
                             description="torch_npu npu_quant_lightning_indexer, fp8 query and keys (Ascend 950PR / "
                                         "950DT): the fp8 132-byte pages read in place",
                             info={"vendor_function": "torch_npu.npu_quant_lightning_indexer (float8_e4m3fn, "
@@ -242,11 +242,12 @@ def dsa_indexer_register(registry: Registry) -> None:
                             verified=FP8_PAGES_VERIFIED)(fp8_factory)
     registry.implementation("k_prologue_store_plain", impl_id="k_prologue_store_plain.npu.torch_npu",
                             targets=("npu",), priority=NPU_PRIORITY, requires=requires,
-                            supports=_prologue_supports(store=True),
+                            capabilities=K_PROLOGUE_CAPS, supports=_prologue_supports(store=True),
                             description="RoPE by npu_rotary_mul (+ int8 by npu_dynamic_quant), npu_scatter_nd_update_",
                             verified=SCHEMA_VERIFIED)(store_factory)
     registry.implementation("q_prologue_plain", impl_id="q_prologue_plain.npu.torch_npu", targets=("npu",),
-                            priority=NPU_PRIORITY, requires=requires, supports=_prologue_supports(store=False),
+                            priority=NPU_PRIORITY, requires=requires, capabilities=Q_PROLOGUE_CAPS,
+                            supports=_prologue_supports(store=False),
                             description="RoPE by npu_rotary_mul (+ Hadamard, int8 by npu_dynamic_quant)",
                             verified=SCHEMA_VERIFIED)(q_factory)
     registry.implementation(PIPELINE_OP, impl_id=f"{PIPELINE_OP}.npu.two_stream", targets=("npu",),

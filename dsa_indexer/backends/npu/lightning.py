@@ -204,7 +204,6 @@ def make_lightning_indexer_ragged(api_of):
 
 
 # --- the library's fp8 pages, read in place (Ascend 950PR / 950DT) ---------------------------------------------------
-FP8_HEADS = (8, 16, 24, 32, 64)  # the query heads npu_quant_lightning_indexer takes on Ascend 950 (its docs)
 
 
 def make_lightning_indexer_fp8(api_of):
@@ -292,30 +291,17 @@ def check_fp8_adapter(fn, device: torch.device, seed: int = 17) -> None:
             raise AssertionError(f"row {row}: keys {far[:8]} differ from the reference's top-{k} beyond near ties")
 
 
-def fp8_supports(problem, api: NpuApi | None) -> list[str] | str | None:
-    """Why npu_quant_lightning_indexer cannot read this problem's fp8 pages (None: it can)."""
-    reasons = []
-    heads, dim, k = problem.get("heads"), problem.get("dim"), problem.get("k")
-    if heads is not None and heads not in FP8_HEADS:
-        reasons.append(f"heads={heads}: Ascend 950's fp8 indexer takes {', '.join(map(str, FP8_HEADS))} query heads")
-    if dim not in (None, 128):
-        reasons.append(f"head dim {dim}: torch_npu's indexers take 128")
-    if k is not None and not 1 <= k <= 2048:
-        reasons.append(f"k={k}: torch_npu's sparse_count is 1..2048")
-    if problem.get("keys") not in (None, "fp8"):
-        reasons.append("V4's FP4 pages (68 bytes): no torch_npu indexer reads e2m1 keys")
-    if problem.get("fp8") not in (None, "fn"):
-        reasons.append(f"fp8={problem.get('fp8')}: torch_npu's fp8 indexer takes float8_e4m3fn")
-    if reasons:
-        return reasons
+def fp8_supports(api: NpuApi | None) -> list[str]:
+    """Why npu_quant_lightning_indexer cannot read fp8 pages on this NPU (an empty list: it can): the Ascend product
+    and the release, which the problem cannot say (its shape facts are declared: ``FP8_PAGES_CAPS``)."""
     if api is None:
-        return ("the Ascend product is known only after the torch_npu probe (fp8 keys: Ascend 950PR / 950DT, "
-                "op-plugin 26.1.0 on); run on the NPU")
+        return ["the Ascend product is known only after the torch_npu probe (fp8 keys: Ascend 950PR / 950DT, "
+                "op-plugin 26.1.0 on); run on the NPU"]
     if api.product != "950":
         where = PRODUCT_NAMES.get(api.product, api.device_name or "this NPU")
-        return (f"on {where} npu_quant_lightning_indexer takes int8 keys only (fp8 query / key: Ascend 950PR / "
+        return [f"on {where} npu_quant_lightning_indexer takes int8 keys only (fp8 query / key: Ascend 950PR / "
                 f"950DT, op-plugin 26.1.0 on); this cache's fp8 pages are served by the reference there, the plain "
-                f"layouts (paged64_bf16 / paged64_int8) by lightning_indexer_ragged.npu.torch_npu")
+                f"layouts (paged64_bf16 / paged64_int8) by lightning_indexer_ragged.npu.torch_npu"]
     if api.quant_indexer is None:
-        return api.why_not(QUANT_INDEXER)
-    return None
+        return [api.why_not(QUANT_INDEXER)]
+    return []
