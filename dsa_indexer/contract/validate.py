@@ -251,12 +251,19 @@ def in_range(name: str, t: torch.Tensor, low: int, high: int, what: str) -> None
     # numbers (0.5 us) rather than by two reductions (3 us), and compared one by one (faster than min and max for
     # so few; the range is computed for the message only). The flag reads come first, the compile test before the
     # context variable and the size: torch.compile traces neither (values are symbolic there).
-    if t.is_cpu and t.ndim == 1 and not _compiling() and not CPU_AS_DEVICE.get() and t.numel() <= _FEW:
-        values = t.tolist() if t.numel() != 1 else (t.item(),)  # (one value, a decode step of one request: half)
-        for value in values:
+    if t.is_cpu and t.ndim == 1 and not _compiling() and not CPU_AS_DEVICE.get():
+        n = t.numel()
+        if n == 1:  # one value (a decode step of one request): item() costs half of tolist()
+            value = t.item()
             if value < low or value >= high:
-                _refuse_range(name, min(values), max(values), low, high, what)
-        return
+                _refuse_range(name, value, value, low, high, what)
+            return
+        if n <= _FEW:
+            values = t.tolist()
+            for value in values:
+                if value < low or value >= high:
+                    _refuse_range(name, min(values), max(values), low, high, what)
+            return
     if t.numel() == 0 or not ranges_checked(t):
         return
     lo, hi = (int(bound) for bound in torch.aminmax(t))  # one reduction for both bounds
