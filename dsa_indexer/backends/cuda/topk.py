@@ -176,7 +176,10 @@ PACK_ROWS = False  # see registers_grid_rows; benchmarks and tests flip it to co
 # the streaming kernel on the caller's stream the shorter ones (one CTA each, in registers), side by side. Rows
 # longer than LONG_ROWS_STREAM_MIN_COLS stream instead when LONG_ROWS_STREAM_MIN_ROWS or more of them are that long
 # (counted on the device), the rule the plan applied to the width before.
-ROUTE_ROWS = False  # on once measured on the H200 (benchmarks/bench_topk_engines.py --plans times it as "routed")
+# Measured (H100, benchmarks/results/topk_routed_window_s12_h100.json): it lost to the best single launch in every
+# cell it took (padded 1 x 8K in 163840: 15.2 us vs 9.9 streaming; mixed 32 rows: 27.0 vs 26.7 clusters), so off;
+# benchmarks/bench_topk_engines.py --plans times it as "routed", the GPU tests keep it right.
+ROUTE_ROWS = False
 
 
 @functools.lru_cache(maxsize=4096)
