@@ -119,3 +119,35 @@ def test_bind_defaults_to_the_process_registry_and_the_public_op_runs_the_bound(
     expected = torch.topk(logits[1, :17], 5).indices.sort().values
     assert torch.equal(bound(*arguments)[1].sort().values.long(), expected)
     assert torch.equal(bound(*arguments), ops.topk_indices(logits, 5, ends))
+
+
+def test_the_public_op_follows_every_registry_change_between_two_calls_of_one_problem():
+    """The public op keeps its previous call's binding for a call with the same target and problem: a registry
+    change in between (registering, forcing, unforcing, unregistering) must reach the very next call."""
+    from dsa_indexer.backends.reference import kernels
+    from dsa_indexer.dispatch.plugins import default_registry
+
+    registry = default_registry()
+    calls = []
+
+    def counted(*args):
+        calls.append("counted")
+        return kernels.topk_indices(*args)
+
+    logits = torch.randn(2, 40)
+    ends = torch.tensor([40, 13], dtype=torch.int32)
+    want = ops.topk_indices(logits, 5, ends)
+    assert calls == []
+    registry.implementation("topk_indices", impl_id="topk_indices.test.counted", targets=("cpu",), priority=10_000,
+                            origin="tests")(lambda: counted)
+    try:
+        for expected in (["counted"], ["counted"] * 2):  # registered: the next call runs it, and the one after
+            assert torch.equal(ops.topk_indices(logits, 5, ends), want) and calls == expected
+        registry.force("topk_indices", "topk_indices.reference.torch")
+        assert torch.equal(ops.topk_indices(logits, 5, ends), want) and calls == ["counted"] * 2
+        registry.force("topk_indices", None)
+        assert torch.equal(ops.topk_indices(logits, 5, ends), want) and calls == ["counted"] * 3
+    finally:
+        registry.force("topk_indices", None)
+        registry.unregister("topk_indices.test.counted")
+    assert torch.equal(ops.topk_indices(logits, 5, ends), want) and calls == ["counted"] * 3  # gone: not called
