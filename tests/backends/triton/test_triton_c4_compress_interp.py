@@ -59,9 +59,13 @@ def test_c4_compress_pool_matches_the_reference(all_rows):
     assert torch.isfinite(got[completing].float()).all(), "every entry row written"
     finite = torch.isfinite(want.float())
     assert torch.equal(torch.isfinite(got.float()), finite)
+    # One bf16 ulp of each value, or fp32 summation error at the row's scale where the softmax-weighted sum cancels
+    # to a value far below its terms (seen: -4.1e-6 in a row whose entries are ~1.5, apart by 6e-8 = 2^-24 of them;
+    # a relative ulp of such a value says nothing of the kernel).
+    row_scale = want.float().nan_to_num(0.0, 0.0, 0.0).abs().amax(dim=1, keepdim=True).expand_as(want)[finite]
     diff = (got.float() - want.float())[finite].abs()
-    ulp = want.float()[finite].abs().clamp_min(2 ** -126) * 2 ** -7
-    assert (diff <= ulp).all(), diff.max()
+    bound = torch.maximum(want.float()[finite].abs().clamp_min(2 ** -126) * 2 ** -7, row_scale * 2 ** -20)
+    assert (diff <= bound).all(), f"seed {seed}: worst {float((diff / bound).max()):.2f} of the bound"
     assert torch.equal(got_state[:-1], want_state[:-1]), "the state roll is a copy"
     assert not torch.equal(want_state[:-1], state[:-1]), "the step wrote into the state"
 
