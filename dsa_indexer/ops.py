@@ -33,6 +33,7 @@ from .contract.specs import WRITES_OUT_INFO
 from .dispatch.bind import bind
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
+from .dispatch.registry import Bound
 from .dispatch.target import Target, parse_target, target_of_tensor
 
 _PARSED: dict[str, Target] = {}  # a plain dict, not functools.lru_cache: torch.compile traces the public ops
@@ -87,26 +88,24 @@ class DeclaredOp:
             found = problems.get(values)
             return found if found is not None else problems.setdefault(values, Problem(**dict(zip(keys, values))))
 
-        def run(*args: Any, target: Target | str | None = None) -> Any:
-            """The op body: the call's interned problem and its target, then the op bound for them, called."""
+        def bound_for(args: tuple, target: Target | str | None) -> Bound:
+            """The op bound for this call's target and interned problem."""
             found = problems.get(facts(*args))
             key = (name, target if type(target) is Target else
                    target_of_tensor(args[0]) if target is None else _target_for(args[0], target),
                    found if found is not None else problem_of(*args))
             bound = default_registry().bindings.get(key)  # `bind`'s own cache, read here: a call less per op
-            return (bound if bound is not None else bind(*key)).fn(*args)
+            return bound if bound is not None else bind(*key)
+
+        def run(*args: Any, target: Target | str | None = None) -> Any:
+            """The op body: the call's interned problem and its target, then the op bound for them, called."""
+            return bound_for(args, target).fn(*args)
 
         def run_out(*args: Any, target: Target | str | None = None) -> torch.Tensor:
             """The op body with the caller's buffer last in ``args``: the bound implementation writes it (``out=``)
             where it declares ``writes_out``, else its result is copied in; -> the buffer itself."""
             *args, out = args
-            found = problems.get(facts(*args))
-            key = (name, target if type(target) is Target else
-                   target_of_tensor(args[0]) if target is None else _target_for(args[0], target),
-                   found if found is not None else problem_of(*args))
-            bound = default_registry().bindings.get(key)
-            if bound is None:
-                bound = bind(*key)
+            bound = bound_for(args, target)
             if bound.info.get(WRITES_OUT_INFO, False):
                 result = bound.fn(*args, out=out)
                 if result is not out:  # a path inside it that allocated after all (a fallback): still the buffer
