@@ -104,7 +104,9 @@ def test_triton_rows_path_on_real_logits(batch, ctx):
 
 
 @pytest.mark.parametrize("rows,cols,k", [(64, 8192, 2048), (8, 131072, 2048), (1, 262144, 2048), (5, 3000, 512),
-                                         (300, 4096, 64), (2, 70001, 2048)])
+                                         (300, 4096, 64), (2, 70001, 2048),
+                                         # issue 35: k = 1024 and 4096 (past the staged write's 2 x 2048 bins)
+                                         (16, 8192, 1024), (40, 163840, 1024), (16, 32768, 4096), (3, 131072, 4096)])
 def test_randn_rows_match_reference(kernel_ready, rows, cols, k):
     logits = torch.randn(rows, cols, device=DEVICE)
     ends = torch.randint(cols // 2, cols + 1, (rows,), device=DEVICE, dtype=torch.int32)
