@@ -117,6 +117,17 @@ def cells(args):
 def ours(cuda_topk, args, logits, ends, k, width, sms):
     """This library's top-k: the planned launch, and with --plans the launches it chooses between."""
     impls = {"cuda.radix": lambda: cuda_topk.topk_indices(logits, k, ends)}
+    for variant in args.variant:  # the same planned launch from another build of the register kernels
+        name, _, defines = variant.partition("=")
+
+        def from_variant(defines=tuple(defines.split(","))):
+            cuda_topk.use_register_variant(defines)
+            try:
+                return cuda_topk.topk_indices(logits, k, ends)
+            finally:
+                cuda_topk.use_register_variant()
+
+        impls[f"cuda.radix [{name}]"] = from_variant
     if not args.plans:
         return impls
 
@@ -157,6 +168,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 64, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=MACRO[,MACRO]",
+                        help="also time the planned launch from a build of the register kernels with these macros "
+                             "(e.g. window=DSA_TOPK_SOLO_WINDOW=1), in the same process, each its own cached build; "
+                             "repeatable")
     parser.add_argument("--plans", action="store_true", help="also time the other launches the plan chooses between")
     parser.add_argument("--triton", action="store_true", help="also time the Triton top-k")
     parser.add_argument("--engines", default=None, help="a .py file defining engines() (kept out of the repo)")

@@ -99,6 +99,32 @@ def test_cache_key_follows_source_flags_and_toolkit(monkeypatch, tmp_path):
     assert jit.build("topk.cu", (10, 0)) != first  # another arch
     monkeypatch.setenv("TOOLKIT", "13.1")
     assert jit.build("topk.cu", (9, 0)) != first  # another toolkit
+    monkeypatch.setenv("TOOLKIT", "13.0")
+    variant = jit.build("topk.cu", (9, 0), ("DSA_TOPK_SOLO_WINDOW=1",))
+    assert variant.exists() and variant != first  # a compile-time variant is its own library
+    assert jit.build("topk.cu", (9, 0), ("DSA_TOPK_SOLO_WINDOW=1",)) == variant  # cached too
+    assert jit.build("topk.cu", (9, 0)) == first
+    with pytest.raises(ValueError, match="defines: 'X=1; rm' is not NAME or NAME=VALUE"):
+        jit.build("topk.cu", (9, 0), ("X=1; rm",))
+
+
+def test_a_register_variant_loads_its_own_build_and_goes_back(monkeypatch):
+    """`use_register_variant`: the register kernels' library is loaded with the variant's macros from then on, and
+    with none after ``use_register_variant()`` (benchmarks compare two builds in one process)."""
+    loaded = []
+    fake = types.SimpleNamespace(**{name: types.SimpleNamespace() for name in (
+        "dsa_topk_registers_launch", "dsa_topk_registers_chunk", "dsa_topk_routed_launch", "dsa_topk_stream_launch",
+        "dsa_topk_stream_max_cols", "dsa_topk_stream_smem_bytes", "dsa_topk_prefill_launch",
+        "dsa_topk_prefill_max_cols", "dsa_topk_prefill_blocks_per_sm", "dsa_topk_registers_error_string")})
+    monkeypatch.setattr(jit, "load", lambda source, capability, defines=(): loaded.append((source, defines)) or fake)
+    try:
+        cuda_topk.use_register_variant(("DSA_TOPK_SOLO_WINDOW=1",))
+        assert cuda_topk._registers_library((9, 0)) is fake
+        cuda_topk.use_register_variant()
+        cuda_topk._registers_library((9, 0))
+    finally:
+        cuda_topk.use_register_variant()
+    assert loaded == [(cuda_topk.REGISTERS_SOURCE, ("DSA_TOPK_SOLO_WINDOW=1",)), (cuda_topk.REGISTERS_SOURCE, ())]
 
 
 @pytest.mark.parametrize("rows,cols,vec,cluster", [(32, 8192, 4, 1), (1, 8192, 4, 1), (1, 32768, 4, 2),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -79,14 +80,19 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
-def build(source: str, capability: tuple[int, int]) -> Path:
-    """Compile ``csrc/<source>`` for ``capability`` unless the cache has it; returns the library's path."""
+def build(source: str, capability: tuple[int, int], defines: tuple[str, ...] = ()) -> Path:
+    """Compile ``csrc/<source>`` for ``capability`` unless the cache has it; returns the library's path.
+    ``defines``: ``NAME=VALUE`` macros of a compile-time variant (a benchmark compares builds in one process); each
+    variant is its own cached library."""
     src = CSRC / source
+    for define in defines:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?", define):
+            raise ValueError(f"defines: {define!r} is not NAME or NAME=VALUE")
     nvcc = find_nvcc()
     if nvcc is None:
         raise CudaBuildError("no nvcc found (set CUDA_HOME or put the CUDA toolkit's nvcc on PATH)")
     version = nvcc_version(nvcc)
-    flags = list(NVCC_FLAGS) + arch_flags(capability)
+    flags = list(NVCC_FLAGS) + arch_flags(capability) + [f"-D{define}" for define in defines]
     ccbin = os.environ.get(CCBIN_ENV)
     if ccbin:
         flags += ["-ccbin", ccbin]
@@ -112,15 +118,16 @@ def build(source: str, capability: tuple[int, int]) -> Path:
     return out
 
 
-def load(source: str, capability: tuple[int, int]) -> ctypes.CDLL:
-    """The loaded library of ``csrc/<source>`` for ``capability`` (built on first use, once per process)."""
-    key = (source, f"{capability[0]}{capability[1]}")
+def load(source: str, capability: tuple[int, int], defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The loaded library of ``csrc/<source>`` for ``capability`` (and ``defines``, see `build`), built on first
+    use, once per process."""
+    key = (source, f"{capability[0]}{capability[1]}", tuple(defines))
     lib = _loaded.get(key)
     if lib is None:
         with _lock:
             lib = _loaded.get(key)
             if lib is None:
-                lib = ctypes.CDLL(str(build(source, capability)))
+                lib = ctypes.CDLL(str(build(source, capability, tuple(defines))))
                 _loaded[key] = lib
     return lib
 

@@ -112,9 +112,23 @@ def _library(capability: tuple[int, int]) -> ctypes.CDLL:
     return lib
 
 
+# The register kernels' compile-time variant: ``NAME=VALUE`` macros of csrc/topk_registers.cu (none: the shipped
+# build). Benchmarks set it through `use_register_variant` to time two builds side by side in one process.
+REGISTER_DEFINES: tuple[str, ...] = ()
+
+
+def use_register_variant(defines: tuple[str, ...] = ()) -> None:
+    """Launch the register kernels from the build with ``defines`` from now on (built on first use, cached like the
+    shipped one); ``()`` goes back to the shipped build."""
+    global REGISTER_DEFINES
+    REGISTER_DEFINES = tuple(defines)
+    _registers_library.cache_clear()
+    _prefill_blocks_per_sm.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
-    lib = jit.load(REGISTERS_SOURCE, capability)
+    lib = jit.load(REGISTERS_SOURCE, capability, REGISTER_DEFINES)
     lib.dsa_topk_registers_launch.restype = ctypes.c_int
     lib.dsa_topk_registers_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_void_p]
@@ -186,15 +200,16 @@ ROUTE_ROWS = False
 def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | None:
     """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
     of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them). ``k``: at V4's k = 512, 64+
-    rows of 32K-256K columns stream (SMALL_K_STREAM_*). Rows longer than 32K whose
-    register launch needs more than two waves (two CTAs per SM each) take the streaming kernel: each wave pays
-    the register kernel's barrier chain again, while the streaming kernel reads each row once in one wave
-    (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two
-    waves, 66 vs 64 us, then; since the streaming pass was made cheaper, from 32 rows of > 64K columns). Up to a wave
-    of short rows (<= 16K columns) take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least PREFILL_MIN_ROWS rows of at
-    least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel: small CTAs, three per SM, that
-    overlap one row's select with other rows' streaming passes; so do rows too wide for the other CUDA kernels
-    when there are at least as many as SMs (else the Triton top-k serves them, as before)."""
+    rows of 32K-256K columns stream (SMALL_K_STREAM_*). Rows longer than 32K whose register launch needs more
+    than two waves (two CTAs per SM each) take the streaming kernel: each wave pays the register kernel's barrier
+    chain again, while the streaming kernel reads each row once in one wave (H200, topk_engines_stream_h200.json:
+    128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two waves, 66 vs 64 us, then; since the
+    streaming pass was made cheaper, from 32 rows of > 64K columns). Up to a wave of short rows (<= 16K columns)
+    take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least
+    PREFILL_MIN_ROWS rows of at least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel:
+    small CTAs, three per SM, that overlap one row's select with other rows' streaming passes; so do rows too wide
+    for the other CUDA kernels when there are at least as many as SMs (else the Triton top-k serves them, as
+    before)."""
     if rows >= PREFILL_MIN_ROWS and PREFILL_MIN_COLS < cols < PREFILL_MAX_COLS:
         return Plan("prefill", 1, PREFILL_THREADS)
     if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
