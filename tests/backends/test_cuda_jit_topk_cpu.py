@@ -143,15 +143,19 @@ def test_rows_too_wide_for_eight_ctas_have_no_plan():
     assert cuda_topk.plan_for(1, 8 * 48 * 1024, 132, 4) is None  # the Triton top-k serves such rows
 
 
-@pytest.fixture
-def width_plans(monkeypatch):
-    """The plan with ROUTE_ROWS off: the rules that choose one kernel for every row from the launch's width (what
-    the plan does where the routed launch is off, and beside which benchmarks time it). plan_for is cached per
-    shape: cleared on the way in and out."""
-    monkeypatch.setattr(cuda_topk, "ROUTE_ROWS", False)
+def _plans_with_routing(monkeypatch, route_rows: bool):
+    """plan_for with ROUTE_ROWS set (it is cached per shape: cleared on the way in and out)."""
+    monkeypatch.setattr(cuda_topk, "ROUTE_ROWS", route_rows)
     cuda_topk.plan_for.cache_clear()
     yield
     cuda_topk.plan_for.cache_clear()
+
+
+@pytest.fixture
+def width_plans(monkeypatch):
+    """The plan with ROUTE_ROWS off: the rules that choose one kernel for every row from the launch's width (what
+    the plan does where the routed launch is off, and beside which benchmarks time it)."""
+    yield from _plans_with_routing(monkeypatch, False)
 
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
@@ -336,11 +340,8 @@ def test_the_jit_kernels_are_probed_on_the_shared_vendor_library_path(module, mo
 
 @pytest.fixture
 def routed_rows(monkeypatch):
-    """The plan with ROUTE_ROWS on (plan_for is cached per shape: cleared on the way in and out)."""
-    monkeypatch.setattr(cuda_topk, "ROUTE_ROWS", True)
-    cuda_topk.plan_for.cache_clear()
-    yield
-    cuda_topk.plan_for.cache_clear()
+    """The plan with ROUTE_ROWS on."""
+    yield from _plans_with_routing(monkeypatch, True)
 
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
