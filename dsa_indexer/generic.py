@@ -17,7 +17,7 @@ from typing import Mapping
 import torch
 
 from .contract.cache import decode_row_requests
-from .contract.specs import WRITES_OUT_INFO, writes_out
+from .contract.specs import WRITES_OUT_INFO, call_into
 from .contract.step import STEP_CONTEXT_INFO, StepContext, takes_step_context
 from .dispatch.plugins import hookimpl
 from .dispatch.problem import Problem
@@ -38,17 +38,9 @@ def inner_problem(outer: Problem, facts: Mapping[str, str], **fixed) -> Problem:
 
 
 def into_out(inner: Bound):
-    """``inner``'s function writing a caller's buffer, ``fn(*args, out)``: a kernel that declares ``writes_out``
-    receives it (and writes it itself), another's result is copied in; -> the buffer."""
-    fn = inner.fn
-    if not writes_out(inner.info):
-        return lambda *args, out: out.copy_(fn(*args))
-
-    def write(*args, out: torch.Tensor) -> torch.Tensor:
-        result = fn(*args, out=out)
-        return result if result is out else out.copy_(result)  # a path inside it that allocated after all
-
-    return write
+    """``inner``'s function writing a caller's buffer, ``fn(*args, out)`` -> the buffer (`contract.specs.call_into`)."""
+    fn, info = inner.fn, inner.info
+    return lambda *args, out: call_into(fn, info, args, out)
 
 
 # What each composition calls, and with which problem (`Implementation.uses`). Every fact of an inner op's problem

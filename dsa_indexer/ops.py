@@ -29,7 +29,7 @@ from .contract import validate as v
 from .contract.declarations import KEY_FORMATS, NORMS  # noqa: F401 (re-exported: the CLI's fact words)
 from .contract.quant import PRODUCER_ROUNDED, Fp8GroupLayout, QuantizedActivation, scale_format  # noqa: F401
 from .contract.specs import DECLARED, PIPELINE_OP, PROBLEM_KEYS, OpDecl, fp8_name  # noqa: F401 (re-exported)
-from .contract.specs import WRITES_OUT_INFO
+from .contract.specs import call_into
 from .dispatch.bind import bind
 from .dispatch.plugins import default_registry
 from .dispatch.problem import Problem
@@ -106,13 +106,7 @@ class DeclaredOp:
             where it declares ``writes_out``, else its result is copied in; -> the buffer itself."""
             *args, out = args
             bound = bound_for(args, target)
-            if bound.info.get(WRITES_OUT_INFO, False):
-                result = bound.fn(*args, out=out)
-                if result is not out:  # a path inside it that allocated after all (a fallback): still the buffer
-                    out.copy_(result)
-            else:
-                out.copy_(bound.fn(*args))
-            return out
+            return call_into(bound.fn, bound.info, args, out)
 
         def arguments(*args: Any, target: Target | str | None = None, **kwargs: Any) -> tuple:
             """The implementation's arguments of this public call: the declaration's checks and normalization, then

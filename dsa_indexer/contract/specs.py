@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,13 +21,22 @@ PIPELINE_OP = "indexer_pipeline"  # the pipeline strategy is resolved like an op
 # The registry info key of an implementation that writes a caller's output buffer: it takes ``out=`` (a tensor of
 # the result's dtype and shape, contiguous, checked by the op) as a keyword, writes every element of it and returns
 # it. An implementation without it (a plugin's, a vendor call that allocates) still serves an op called with
-# ``out=``: the dispatch layer copies its result into the buffer (`dsa_indexer.ops`, `generic.into_out`).
+# ``out=``: the dispatch layer copies its result into the buffer (`call_into`).
 WRITES_OUT_INFO = "writes_out"
 
 
 def writes_out(info: Mapping[str, Any]) -> bool:
     """Whether an implementation with registry ``info`` takes ``out=`` and writes its result there."""
     return bool(info.get(WRITES_OUT_INFO, False))
+
+
+def call_into(fn: Callable[..., Any], info: Mapping[str, Any], args: Sequence[Any], out: Any) -> Any:
+    """``fn(*args)``'s result in the caller's buffer ``out``, returned: an implementation that declares
+    ``writes_out`` in its ``info`` receives ``out=`` and writes it, another's result is copied in (one copy)."""
+    if not writes_out(info):
+        return out.copy_(fn(*args))
+    result = fn(*args, out=out)
+    return result if result is out else out.copy_(result)  # a path inside it that allocated after all (a fallback)
 
 
 class _Fp8Names(dict):

@@ -287,7 +287,8 @@ def _plugin_topk(fn, info=None):
         registry.unregister("topk_indices.outtest.plugin")
 
 
-# The ops whose sm103 call reaches the plugin's top-k: itself, and the compositions' inner top-k (`generic.into_out`).
+# The ops whose sm103 call reaches the plugin's top-k: itself, and the compositions' inner top-k
+# (`contract.specs.call_into`).
 THROUGH_PLUGIN = [("topk_indices", None), ("ragged_mqa_topk", "ragged_mqa_topk.generic.composed"),
                   ("lightning_indexer", "lightning_indexer.generic.composed")]
 
