@@ -48,6 +48,16 @@ constexpr int kPage = 64;
 constexpr int kPeerBatch = 4;  // peers' DSMEM reads in flight together in find_bin (16 cost spills at 64 registers)
 constexpr int kColBits = 20;  // the tie-break key ~column: windows are at most 16 x 16K columns (< 2^20)
 constexpr unsigned kNegInfKey = 0x007fffffu;  // order_key(-inf); key 0 marks a column outside the window
+// A probe build (benchmarks only, results wrong): the register select loads its keys, selects nothing, writes nothing.
+#ifndef DSA_TOPK_PROBE_LOADS
+#define DSA_TOPK_PROBE_LOADS 0
+#endif
+constexpr bool kProbeLoads = DSA_TOPK_PROBE_LOADS;
+// A probe build of the streaming kernel (benchmarks only, results wrong): its sample and pass, no select, no write.
+#ifndef DSA_TOPK_PROBE_STREAM_PASS
+#define DSA_TOPK_PROBE_STREAM_PASS 0
+#endif
+constexpr bool kProbeStreamPass = DSA_TOPK_PROBE_STREAM_PASS;
 
 struct Params {
   const float* x;
@@ -77,6 +87,9 @@ struct Shared {
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
+  int n_gathered;      // gather_threshold: candidates appended so far
+  unsigned thr_key;    // gather_threshold: the k-th largest (key, column)
+  int thr_col;
 };
 
 __device__ __forceinline__ unsigned order_key(float value) {
@@ -307,12 +320,71 @@ __device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, in
     asm volatile("prefetch.global.L2 [%0];" ::"l"(x_row + c));
 }
 
+// The k-th largest of a solo row once level 0 (the exponent window) has found its bin, when that bin holds few
+// keys: instead of two or three more radix levels over every register (a histogram pass and three barriers each),
+// the bin's keys are appended to shared memory with their columns (one ballot per key slot, one atomic per warp
+// that has any) and each is ranked against the others by (key, then lower column), a total order: the one of rank
+// need - 1 is the threshold. A key is then selected iff it is above the threshold, or equal to it at a column no
+// higher. Every thread gets (thr_key, thr_col); the candidates overlay hist[0], which find_bin has finished reading.
+// Up to kGatherCap candidates (n^2 / 512 compares per thread); a fuller bin goes on with the radix levels.
+constexpr int kGatherCap = 256;
+static_assert(2 * kGatherCap <= kBins, "the candidates' keys and columns overlay one histogram");
+
+template <int KPT>
+__device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int live, int base, int start,
+                                                 unsigned prefix, int need, int n, Shared& s, unsigned& thr_key,
+                                                 int& thr_col) {
+  const int t = threadIdx.x, lane = t & 31;
+  unsigned* cand_key = reinterpret_cast<unsigned*>(s.hist[0]);
+  int* cand_col = s.hist[0] + kGatherCap;
+#pragma unroll
+  for (int e = 0; e < KPT; ++e) {
+    if ((e >> 2) >= live) break;  // uniform: every lane of the warp reaches the ballot
+    const bool mine = key[e] != 0u && (key[e] >> kWindowShift) == prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (ballot == 0u) continue;
+    const int leader = __ffs(ballot) - 1;
+    int slot = 0;
+    if (lane == leader) slot = atomicAdd(&s.n_gathered, __popc(ballot));
+    slot = __shfl_sync(0xffffffffu, slot, leader) + __popc(ballot & ((1u << lane) - 1u));
+    if (mine) {
+      cand_key[slot] = key[e];
+      cand_col[slot] = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3) - start;
+    }
+  }
+  __syncthreads();
+  // g threads per candidate (a power of two <= 32, so a candidate's threads are lanes of one warp), each comparing
+  // it with every g-th other candidate; their counts summed over the g lanes are its rank.
+  int g = 32;
+  while (g > 1 && g * n > kThreads) g >>= 1;
+  const int i = t / g, part = t & (g - 1);
+  int above = 0;
+  unsigned ki = 0u;
+  int ci = 0;
+  if (i < n) {
+    ki = cand_key[i];
+    ci = cand_col[i];
+    for (int j = part; j < n; j += g) {
+      const unsigned kj = cand_key[j];
+      above += kj > ki || (kj == ki && cand_col[j] < ci);
+    }
+  }
+  for (int off = 1; off < g; off <<= 1) above += __shfl_xor_sync(0xffffffffu, above, off);
+  if (i < n && part == 0 && above == need - 1) {
+    s.thr_key = ki;
+    s.thr_col = ci;
+  }
+  __syncthreads();
+  thr_key = s.thr_key;
+  thr_col = s.thr_col;
+}
+
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
 // STAGED: the positions go through shared memory (coalesced writes); off where it costs spills (KPT 32 in 64
 // registers: the register kernel's 16K-column chunks).
-template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false>
+template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false, bool GATHER = false>
 __device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
                                                      int* out_row, int rank, int csize, cg::cluster_group& cluster,
                                                      Shared& s) {
@@ -331,6 +403,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // stay empty (or they have left), so find_bin reads only these.
     const int used = min(csize, (end - (start & ~3) + kChunk - 1) / kChunk);
     reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);  // level 0's histogram (peers are past it)
+    if (GATHER && t == 0) s.n_gathered = 0;
 
     unsigned key[KPT];
 #pragma unroll
@@ -368,8 +441,12 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     int shift = 32;
     int k_rem = p.k;
     bool tie = false;      // the class is one exact key with more members than needed: break by column
-    bool done = false;
-    if (WINDOW) {  // level 0: the exponent window (window_bin)
+    bool done = kProbeLoads;  // (a probe build: no select, nothing written; times the loads and the scan)
+    if (kProbeLoads) prefix = 0xffffffffu, shift = 0;
+    bool gathered = false;  // the threshold came from gather_threshold: (thr_key, thr_col)
+    unsigned thr_key = 0u;
+    int thr_col = 0;
+    if (WINDOW && !kProbeLoads) {  // level 0: the exponent window (window_bin)
       int* h = s.hist[0];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) {
@@ -383,6 +460,10 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         shift = kWindowShift;
         k_rem = need;
         done = count == need;
+        if (GATHER && !done && count <= kGatherCap) {  // uniform: from find_bin
+          gather_threshold<KPT>(key, live, base, start, prefix, need, count, s, thr_key, thr_col);
+          gathered = done = true;
+        }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
     }
     while (!done) {
@@ -443,7 +524,10 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       if ((e >> 2) >= live) break;
       const unsigned kk = key[e];
       bool sel = false;
-      if (kk != 0u) {
+      if (kk != 0u && gathered) {
+        const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+        sel = kk > thr_key || (kk == thr_key && c - start <= thr_col);
+      } else if (kk != 0u) {
         const unsigned cls = kk >> shift;
         sel = cls > prefix;
         if (cls == prefix) {
@@ -508,19 +592,46 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 // Off: timed in two processes on an H100 (topk_routed_window_s12_h100.json) it moved solo-row cells by 0-0.9 us, no
 // more than cells it cannot touch moved between the same processes. A define, so a benchmark build can compare both.
 constexpr bool kSoloWindow = DSA_TOPK_SOLO_WINDOW;
+// On: level 0 of a solo row is the exponent window and, when its bin holds at most kGatherCap keys, the bin's keys
+// are ranked in shared memory (gather_threshold) instead of more radix levels. A define, timed side by side.
+#ifndef DSA_TOPK_SOLO_GATHER
+#define DSA_TOPK_SOLO_GATHER 0
+#endif
+constexpr bool kSoloGather = DSA_TOPK_SOLO_GATHER;
 template <int KPT_MAX>
 __device__ __forceinline__ void registers_select_row_solo(const Params& p, const float* x_row, int start, int end,
                                                           int req, int* out_row, cg::cluster_group& cluster,
                                                           Shared& s) {
   const int span = end - (start & ~3);
+  constexpr bool kWindow = kSoloWindow || kSoloGather;
   if (KPT_MAX >= 8 && span <= 8 * kThreads) {
-    registers_select_row<8, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<8, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
-    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1,
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1,
                                                                        cluster, s);
   } else {
-    registers_select_row<KPT_MAX, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<KPT_MAX, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster,
+                                                              s);
   }
+}
+
+// Two choices of the register kernel, defines so that a benchmark build can time them side by side: prefetch each
+// CTA's chunk to L2 before the row's window is read at 32 keys per thread too (off: registers were thought too
+// tight there), and select a solo row of up to 8K columns in a 32-keys-per-thread launch with the fewest keys per
+// thread that hold it, its positions through shared memory (more copies of the select).
+#ifndef DSA_TOPK_PREFETCH_ALL_CHUNKS
+#define DSA_TOPK_PREFETCH_ALL_CHUNKS 0
+#endif
+constexpr bool kPrefetchAllChunks = DSA_TOPK_PREFETCH_ALL_CHUNKS;
+#ifndef DSA_TOPK_SOLO_STAGED
+#define DSA_TOPK_SOLO_STAGED 0
+#endif
+constexpr bool kSoloStaged = DSA_TOPK_SOLO_STAGED;
+
+// Not inlined: a second inlined copy of the select in the 32-keys-per-thread kernel costs its long rows spills.
+__device__ __noinline__ void solo_row_call(const Params& p, const float* x_row, int start, int end, int req,
+                                           int* out_row, cg::cluster_group& cluster, Shared& s) {
+  registers_select_row_solo<16>(p, x_row, start, end, req, out_row, cluster, s);
 }
 
 // Rows are routed by their own window, not by the launch's width (engines pass logits padded to max_model_len, so
@@ -544,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   }
 
   for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    if (KPT <= 16 && p.starts == nullptr)  // this CTA's chunk of a full row (KPT 32: no registers to spare)
+    if ((KPT <= 16 || kPrefetchAllChunks) && p.starts == nullptr)  // this CTA's chunk of a full row
       prefetch_row_l2(p.x + (long long)row * p.x_stride, rank * kChunk, min(p.cols, (rank + 1) * kChunk));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
@@ -570,6 +681,10 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       // padded width): it leaves now and frees its SM slot. The peers' cluster barriers count an exited thread as
       // arrived (PTX `exit`), and no peer reads its shared memory (find_bin reads the `used` CTAs only).
       return;
+    }
+    if (kSoloStaged && KPT == 32 && solo && end - (start & ~3) <= 16 * kThreads) {
+      solo_row_call(p, x_row, start, end, req, out_row, cluster, s);  // staged, fewest keys
+      continue;
     }
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
     registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
@@ -826,6 +941,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     }
     block_min_max<kThreads>(cand_lo, cand_hi, s.base);  // its barrier: the candidates are complete
     const int n_cand = s.n_cand;
+    if (kProbeStreamPass) {  // a probe build: the sample and the pass only, nothing selected or written
+      __syncthreads();
+      continue;
+    }
     const bool fast = n_cand >= p.k && n_cand <= kStreamCandCap;  // uniform
 
     // ---- 3. exact radix select over the candidates (fast: 11-bit levels from their highest varying bit) or the
