@@ -627,6 +627,11 @@ constexpr bool kPrefetchAllChunks = DSA_TOPK_PREFETCH_ALL_CHUNKS;
 #define DSA_TOPK_SOLO_STAGED 0
 #endif
 constexpr bool kSoloStaged = DSA_TOPK_SOLO_STAGED;
+// The register kernel's level 0 on the exponent window (window_bin) for every row, cluster rows included.
+#ifndef DSA_TOPK_CLUSTER_WINDOW
+#define DSA_TOPK_CLUSTER_WINDOW 0
+#endif
+constexpr bool kClusterWindow = DSA_TOPK_CLUSTER_WINDOW;
 
 // Not inlined: a second inlined copy of the select in the 32-keys-per-thread kernel costs its long rows spills.
 __device__ __noinline__ void solo_row_call(const Params& p, const float* x_row, int start, int end, int req,
@@ -687,7 +692,8 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       continue;
     }
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
-    registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
+    registers_select_row<KPT, (KPT <= 16), kClusterWindow>(p, x_row, start, end, req, out_row, solo ? 0 : rank,
+                                                            solo ? 1 : csize, cluster, s);
   }
 }
 
