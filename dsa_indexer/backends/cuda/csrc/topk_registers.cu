@@ -326,7 +326,7 @@ __device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, in
 // that has any) and each is ranked against the others by (key, then lower column), a total order: the one of rank
 // need - 1 is the threshold. A key is then selected iff it is above the threshold, or equal to it at a column no
 // higher. Every thread gets (thr_key, thr_col); the candidates overlay hist[0], which find_bin has finished reading.
-// Up to kGatherCap candidates (n^2 / 512 compares per thread); a fuller bin goes on with the radix levels.
+// Up to kGatherCap candidates; a fuller bin goes on with the radix levels.
 constexpr int kGatherCap = 256;
 static_assert(2 * kGatherCap <= kBins, "the candidates' keys and columns overlay one histogram");
 
@@ -334,7 +334,7 @@ template <int KPT>
 __device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int live, int base, int start,
                                                  unsigned prefix, int need, int n, Shared& s, unsigned& thr_key,
                                                  int& thr_col) {
-  const int t = threadIdx.x, lane = t & 31;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   unsigned* cand_key = reinterpret_cast<unsigned*>(s.hist[0]);
   int* cand_col = s.hist[0] + kGatherCap;
 #pragma unroll
@@ -353,26 +353,28 @@ __device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int
     }
   }
   __syncthreads();
-  // g threads per candidate (a power of two <= 32, so a candidate's threads are lanes of one warp), each comparing
-  // it with every g-th other candidate; their counts summed over the g lanes are its rank.
-  int g = 32;
-  while (g > 1 && g * n > kThreads) g >>= 1;
-  const int i = t / g, part = t & (g - 1);
-  int above = 0;
-  unsigned ki = 0u;
-  int ci = 0;
-  if (i < n) {
-    ki = cand_key[i];
-    ci = cand_col[i];
-    for (int j = part; j < n; j += g) {
-      const unsigned kj = cand_key[j];
-      above += kj > ki || (kj == ki && cand_col[j] < ci);
-    }
+  // Each warp ranks every kWarps-th candidate (its targets) against all n: the lanes hold the candidates in
+  // registers (kGatherCap / 32 each) as one 64-bit order, key then lower column, and one ballot per 32 of them
+  // counts those above a target. (A loop of shared-memory loads per candidate pair was latency-bound: 2-6 us.)
+  constexpr int kPerLane = kGatherCap / 32;
+  auto order = [](unsigned kk, int col) { return ((unsigned long long)kk << 32) | (unsigned)~col; };
+  unsigned long long held[kPerLane];
+#pragma unroll
+  for (int m = 0; m < kPerLane; ++m) {
+    const int j = lane + 32 * m;
+    held[m] = j < n ? order(cand_key[j], cand_col[j]) : 0ull;  // 0: below every candidate (keys are >= 1)
   }
-  for (int off = 1; off < g; off <<= 1) above += __shfl_xor_sync(0xffffffffu, above, off);
-  if (i < n && part == 0 && above == need - 1) {
-    s.thr_key = ki;
-    s.thr_col = ci;
+#pragma unroll 2
+  for (int j = warp; j < n; j += kWarps) {  // uniform over the warp
+    const unsigned long long target = order(cand_key[j], cand_col[j]);
+    int above = 0;
+#pragma unroll
+    for (int m = 0; m < kPerLane; ++m)
+      if (32 * m < n) above += __popc(__ballot_sync(0xffffffffu, held[m] > target));
+    if (lane == 0 && above == need - 1) {
+      s.thr_key = cand_key[j];
+      s.thr_col = cand_col[j];
+    }
   }
   __syncthreads();
   thr_key = s.thr_key;
@@ -593,7 +595,10 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 // more than cells it cannot touch moved between the same processes. A define, so a benchmark build can compare both.
 constexpr bool kSoloWindow = DSA_TOPK_SOLO_WINDOW;
 // On: level 0 of a solo row is the exponent window and, when its bin holds at most kGatherCap keys, the bin's keys
-// are ranked in shared memory (gather_threshold) instead of more radix levels. A define, timed side by side.
+// are ranked in shared memory (gather_threshold) instead of more radix levels. Off: its first version (each thread
+// looping over the candidates in shared memory) lost on an H100 where rows are many (32 / 128 x 8K: 15.1 / 19.5 vs
+// 11.7 / 13.2 us; 1 x 8K 10.1 vs 10.9; topk_select_probes_s13_h100.json); the ballot ranking above is not yet timed.
+// A define, so a benchmark build can compare both.
 #ifndef DSA_TOPK_SOLO_GATHER
 #define DSA_TOPK_SOLO_GATHER 0
 #endif
@@ -607,36 +612,12 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
   if (KPT_MAX >= 8 && span <= 8 * kThreads) {
     registers_select_row<8, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
-    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1,
-                                                                       cluster, s);
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row,
+                                                                                0, 1, cluster, s);
   } else {
     registers_select_row<KPT_MAX, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster,
                                                               s);
   }
-}
-
-// Two choices of the register kernel, defines so that a benchmark build can time them side by side: prefetch each
-// CTA's chunk to L2 before the row's window is read at 32 keys per thread too (off: registers were thought too
-// tight there), and select a solo row of up to 8K columns in a 32-keys-per-thread launch with the fewest keys per
-// thread that hold it, its positions through shared memory (more copies of the select).
-#ifndef DSA_TOPK_PREFETCH_ALL_CHUNKS
-#define DSA_TOPK_PREFETCH_ALL_CHUNKS 0
-#endif
-constexpr bool kPrefetchAllChunks = DSA_TOPK_PREFETCH_ALL_CHUNKS;
-#ifndef DSA_TOPK_SOLO_STAGED
-#define DSA_TOPK_SOLO_STAGED 0
-#endif
-constexpr bool kSoloStaged = DSA_TOPK_SOLO_STAGED;
-// The register kernel's level 0 on the exponent window (window_bin) for every row, cluster rows included.
-#ifndef DSA_TOPK_CLUSTER_WINDOW
-#define DSA_TOPK_CLUSTER_WINDOW 0
-#endif
-constexpr bool kClusterWindow = DSA_TOPK_CLUSTER_WINDOW;
-
-// Not inlined: a second inlined copy of the select in the 32-keys-per-thread kernel costs its long rows spills.
-__device__ __noinline__ void solo_row_call(const Params& p, const float* x_row, int start, int end, int req,
-                                           int* out_row, cg::cluster_group& cluster, Shared& s) {
-  registers_select_row_solo<16>(p, x_row, start, end, req, out_row, cluster, s);
 }
 
 // Rows are routed by their own window, not by the launch's width (engines pass logits padded to max_model_len, so
@@ -660,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   }
 
   for (int row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    if ((KPT <= 16 || kPrefetchAllChunks) && p.starts == nullptr)  // this CTA's chunk of a full row
+    if (KPT <= 16 && p.starts == nullptr)  // this CTA's chunk of a full row (KPT 32: no registers to spare)
       prefetch_row_l2(p.x + (long long)row * p.x_stride, rank * kChunk, min(p.cols, (rank + 1) * kChunk));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
@@ -687,13 +668,8 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       // arrived (PTX `exit`), and no peer reads its shared memory (find_bin reads the `used` CTAs only).
       return;
     }
-    if (kSoloStaged && KPT == 32 && solo && end - (start & ~3) <= 16 * kThreads) {
-      solo_row_call(p, x_row, start, end, req, out_row, cluster, s);  // staged, fewest keys
-      continue;
-    }
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
-    registers_select_row<KPT, (KPT <= 16), kClusterWindow>(p, x_row, start, end, req, out_row, solo ? 0 : rank,
-                                                            solo ? 1 : csize, cluster, s);
+    registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
   }
 }
 
