@@ -444,7 +444,10 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     int k_rem = p.k;
     bool tie = false;      // the class is one exact key with more members than needed: break by column
     bool done = kProbeLoads;  // (a probe build: no select, nothing written; times the loads and the scan)
-    if (kProbeLoads) prefix = 0xffffffffu, shift = 0;
+    if (kProbeLoads) {  // a class above every key: nothing is selected
+      prefix = 0xffffffffu;
+      shift = 0;
+    }
     bool gathered = false;  // the threshold came from gather_threshold: (thr_key, thr_col)
     unsigned thr_key = 0u;
     int thr_col = 0;
