@@ -82,7 +82,7 @@ struct Params {
 
 struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
-  int group[kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers)
+  int group[2 * kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers; 128: find_bin_wide)
   int warp_sum[kWarps];
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
@@ -311,6 +311,94 @@ __device__ __forceinline__ bool window_prefix(int bin, unsigned& prefix) {
   return false;
 }
 
+// A finer level 0 for a solo row (DSA_TOPK_SOLO_GATHER 2): the exponent window with 6 mantissa bits (64 bins an
+// octave, as fine as a 12-bit fp16 key) over both histograms as one of 4096 bins, so that the threshold bin holds
+// about half the keys of window_bin's and gather_threshold ranks fewer. Each in-window bin is exactly the keys
+// sharing a 15-bit prefix (shift kWideShift); the clamp bins, as window_bin's, are no such prefix.
+constexpr int kWideBins = 2 * kBins;
+constexpr int kWideShift = 17;                  // key >> 17: sign, 8 exponent bits, 6 mantissa bits
+constexpr int kWideBinsPerSide = 31 * 64;      // 31 exponents x 64 mantissa steps, between the two clamp bins
+static_assert(2 * (kWideBinsPerSide + 2) <= kWideBins, "the wide window's bins fit both histograms");
+
+__device__ __forceinline__ int wide_bin(unsigned key) {
+  const unsigned p15 = key >> kWideShift;
+  const int low14 = (int)(p15 & 0x3fffu);  // exponent and 6 mantissa bits (negatives: inverted, as the key)
+  if (p15 & 0x4000u) {  // >= +0: bins 2048 (below the window) .. 2049 + off .. 4095 (above)
+    const int off = low14 - (kWindowLowExp << 6);
+    return off < 0 ? kWideBins / 2 : off >= kWideBinsPerSide ? kWideBins - 1 : kWideBins / 2 + 1 + off;
+  }
+  const int off = (0x3fff - low14) - (kWindowLowExp << 6);  // of the magnitude
+  return off < 0 ? kWideBins / 2 - 1 : off >= kWideBinsPerSide ? 0 : kWideBins / 2 - 2 - off;
+}
+
+// The 15-bit key prefix of wide bin `bin`; false for a clamp bin.
+__device__ __forceinline__ bool wide_prefix(int bin, unsigned& prefix) {
+  if (bin > kWideBins / 2 && bin <= kWideBins / 2 + kWideBinsPerSide) {
+    prefix = 0x4000u | (unsigned)((kWindowLowExp << 6) + bin - (kWideBins / 2 + 1));
+    return true;
+  }
+  if (bin < kWideBins / 2 - 1 && bin >= kWideBins / 2 - 1 - kWideBinsPerSide) {
+    prefix = (unsigned)(0x3fff - ((kWindowLowExp << 6) + (kWideBins / 2 - 2 - bin)));
+    return true;
+  }
+  return false;
+}
+
+// find_bin for one CTA over the 4096 bins of both histograms (`wide`): the same two stages, 128 groups of 32 bins
+// (four per lane of warp 0). Nothing is cleared: the caller clears what its next level uses.
+__device__ __forceinline__ void find_bin_wide(const int* wide, int k_rem, Shared& s, int& bin, int& need,
+                                              int& count) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  __syncthreads();  // this level's atomics are complete
+  const int4 a = reinterpret_cast<const int4*>(wide)[2 * t];
+  const int4 b = reinterpret_cast<const int4*>(wide)[2 * t + 1];
+  int m = a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;  // bins 8t..8t+7; 4 consecutive threads hold a group
+  m += __shfl_xor_sync(0xffffffffu, m, 1);
+  m += __shfl_xor_sync(0xffffffffu, m, 2);
+  if ((lane & 3) == 0) s.group[t >> 2] = m;
+  __syncthreads();
+  if (warp == 0) {
+    const int4 g = reinterpret_cast<const int4*>(s.group)[lane];  // groups 4 lane .. 4 lane + 3
+    const int sums[4] = {g.x, g.y, g.z, g.w};
+    const int lane_sum = g.x + g.y + g.z + g.w;
+    int incl = lane_sum;  // over lanes >= lane: groups above, larger keys first
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl, off);
+      if (lane + off < 32) incl += y;
+    }
+    int acc = incl - lane_sum, group = -1, above = 0;
+#pragma unroll
+    for (int q = 3; q >= 0; --q) {
+      if (group < 0 && acc < k_rem && acc + sums[q] >= k_rem) {
+        group = 4 * lane + q;
+        above = acc;
+      }
+      acc += sums[q];
+    }
+    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;  // exactly one lane holds the crossing
+    group = __shfl_sync(0xffffffffu, group, src);
+    above = __shfl_sync(0xffffffffu, above, src);
+    const int c = wide[group * 32 + lane];
+    int incl2 = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
+      if (lane + off < 32) incl2 += y;
+    }
+    const int above_bin = above + incl2 - c;
+    if (above_bin < k_rem && above_bin + c >= k_rem) {
+      s.found[0] = group * 32 + lane;
+      s.found[1] = k_rem - above_bin;
+      s.found[2] = c;
+    }
+  }
+  __syncthreads();
+  bin = s.found[0];
+  need = s.found[1];
+  count = s.found[2];
+}
+
 // Columns [c_lo, c_hi) of a row into L2 (a 128-byte line per thread and step), issued before the row's window is
 // read: otherwise the kernel's first global read (ends) and its first loads of the row are two DRAM round trips
 // in a row (~2 us each after the L2 is flushed). Prefetches fill no register and cannot change a result; they
@@ -332,15 +420,15 @@ static_assert(2 * kGatherCap <= kBins, "the candidates' keys and columns overlay
 
 template <int KPT>
 __device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int live, int base, int start,
-                                                 unsigned prefix, int need, int n, Shared& s, unsigned& thr_key,
-                                                 int& thr_col) {
+                                                 unsigned prefix, int shift, int need, int n, Shared& s,
+                                                 unsigned& thr_key, int& thr_col) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   unsigned* cand_key = reinterpret_cast<unsigned*>(s.hist[0]);
   int* cand_col = s.hist[0] + kGatherCap;
 #pragma unroll
   for (int e = 0; e < KPT; ++e) {
     if ((e >> 2) >= live) break;  // uniform: every lane of the warp reaches the ballot
-    const bool mine = key[e] != 0u && (key[e] >> kWindowShift) == prefix;
+    const bool mine = key[e] != 0u && (key[e] >> shift) == prefix;
     const unsigned ballot = __ballot_sync(0xffffffffu, mine);
     if (ballot == 0u) continue;
     const int leader = __ffs(ballot) - 1;
@@ -386,7 +474,7 @@ __device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
 // STAGED: the positions go through shared memory (coalesced writes); off where it costs spills (KPT 32 in 64
 // registers: the register kernel's 16K-column chunks).
-template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false, bool GATHER = false>
+template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false, bool GATHER = false, bool WIDE = false>
 __device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
                                                      int* out_row, int rank, int csize, cg::cluster_group& cluster,
                                                      Shared& s) {
@@ -405,6 +493,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // stay empty (or they have left), so find_bin reads only these.
     const int used = min(csize, (end - (start & ~3) + kChunk - 1) / kChunk);
     reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);  // level 0's histogram (peers are past it)
+    if (WIDE) reinterpret_cast<int4*>(s.hist[1])[t] = make_int4(0, 0, 0, 0);  // (both: one of 4096 bins)
     if (GATHER && t == 0) s.n_gathered = 0;
 
     unsigned key[KPT];
@@ -451,7 +540,31 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     bool gathered = false;  // the threshold came from gather_threshold: (thr_key, thr_col)
     unsigned thr_key = 0u;
     int thr_col = 0;
-    if (WINDOW && !kProbeLoads) {  // level 0: the exponent window (window_bin)
+    if (WIDE && !kProbeLoads) {  // level 0: the wide exponent window (wide_bin), one CTA
+      int* wide = &s.hist[0][0];  // both histograms, contiguous
+#pragma unroll
+      for (int e = 0; e < KPT; ++e) {
+        if ((e >> 2) >= live) break;
+        if (key[e] != 0u) atomicAdd(&wide[wide_bin(key[e])], 1);
+      }
+      int bin, need, count;
+      find_bin_wide(wide, k_rem, s, bin, need, count);
+      level = 2;  // the radix levels below (if any) start on hist[0], which the next find_bin leaves cleared
+      if (wide_prefix(bin, prefix)) {  // uniform
+        shift = kWideShift;
+        k_rem = need;
+        done = count == need;
+        if (GATHER && !done && count <= kGatherCap) {
+          gather_threshold<KPT>(key, live, base, start, prefix, kWideShift, need, count, s, thr_key, thr_col);
+          gathered = done = true;
+        }
+      }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
+      if (!done) {  // the radix levels use hist[0] then hist[1]: clear both (find_bin_wide's barrier: read)
+        reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);
+        reinterpret_cast<int4*>(s.hist[1])[t] = make_int4(0, 0, 0, 0);
+        __syncthreads();
+      }
+    } else if (WINDOW && !kProbeLoads) {  // level 0: the exponent window (window_bin)
       int* h = s.hist[0];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) {
@@ -466,7 +579,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         k_rem = need;
         done = count == need;
         if (GATHER && !done && count <= kGatherCap) {  // uniform: from find_bin
-          gather_threshold<KPT>(key, live, base, start, prefix, need, count, s, thr_key, thr_col);
+          gather_threshold<KPT>(key, live, base, start, prefix, kWindowShift, need, count, s, thr_key, thr_col);
           gathered = done = true;
         }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
@@ -597,15 +710,17 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 // Off: timed in two processes on an H100 (topk_routed_window_s12_h100.json) it moved solo-row cells by 0-0.9 us, no
 // more than cells it cannot touch moved between the same processes. A define, so a benchmark build can compare both.
 constexpr bool kSoloWindow = DSA_TOPK_SOLO_WINDOW;
-// On: level 0 of a solo row is the exponent window and, when its bin holds at most kGatherCap keys, the bin's keys
-// are ranked in shared memory (gather_threshold) instead of more radix levels. Off: its first version (each thread
-// looping over the candidates in shared memory) lost on an H100 where rows are many (32 / 128 x 8K: 15.1 / 19.5 vs
-// 11.7 / 13.2 us; 1 x 8K 10.1 vs 10.9; topk_select_probes_s13_h100.json); the ballot ranking above is not yet timed.
-// A define, so a benchmark build can compare both.
+// On (1): level 0 of a solo row is the exponent window and, when its bin holds at most kGatherCap keys, the bin's
+// keys are ranked in shared memory (gather_threshold) instead of more radix levels; 2: level 0 on the finer wide
+// window (wide_bin, 4096 bins), so that fewer keys are ranked. Off: the first version (each thread looping over the
+// candidates in shared memory) lost on an H100 where rows are many (32 / 128 x 8K: 15.1 / 19.5 vs 11.7 / 13.2 us;
+// 1 x 8K 10.1 vs 10.9; topk_select_probes_s13_h100.json); the ballot ranking and the wide window are not yet timed.
+// A define, so that a benchmark build can compare them.
 #ifndef DSA_TOPK_SOLO_GATHER
 #define DSA_TOPK_SOLO_GATHER 0
 #endif
-constexpr bool kSoloGather = DSA_TOPK_SOLO_GATHER;
+constexpr bool kSoloGather = DSA_TOPK_SOLO_GATHER != 0;
+constexpr bool kSoloWide = DSA_TOPK_SOLO_GATHER == 2;  // 2: level 0 on the wide window (wide_bin), then gather
 template <int KPT_MAX>
 __device__ __forceinline__ void registers_select_row_solo(const Params& p, const float* x_row, int start, int end,
                                                           int req, int* out_row, cg::cluster_group& cluster,
@@ -613,13 +728,14 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
   const int span = end - (start & ~3);
   constexpr bool kWindow = kSoloWindow || kSoloGather;
   if (KPT_MAX >= 8 && span <= 8 * kThreads) {
-    registers_select_row<8, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
+    registers_select_row<8, true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req, out_row, 0, 1, cluster,
+                                                                   s);
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
-    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row,
-                                                                                0, 1, cluster, s);
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req,
+                                                                                           out_row, 0, 1, cluster, s);
   } else {
-    registers_select_row<KPT_MAX, true, kWindow, kSoloGather>(p, x_row, start, end, req, out_row, 0, 1, cluster,
-                                                              s);
+    registers_select_row<KPT_MAX, true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req, out_row, 0, 1,
+                                                                         cluster, s);
   }
 }
 
