@@ -282,67 +282,55 @@ __device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift
 // keys, and each in-window bin is exactly the keys sharing a 14-bit prefix (shift kWindowShift): the levels below
 // go on from there as before. A clamp bin is no such prefix: a row whose k-th key lies in one (logits all beyond
 // 2^15 or below 2^-15 in magnitude) runs the plain levels from bit 31 after it, on the whole row.
-constexpr int kWindowShift = 18;        // key >> 18: sign, 8 exponent bits, 5 mantissa bits
-constexpr int kWindowLowExp = 112;      // biased fp32 exponent of 2^-15
-constexpr int kWindowBinsPerSide = 31 * 32;  // 31 exponents x 32 mantissa steps, between the two clamp bins
-static_assert(2 * (kWindowBinsPerSide + 2) <= kBins, "the window's bins fit one histogram");
+constexpr int kWindowLowExp = 112;  // biased fp32 exponent of 2^-15
 
-__device__ __forceinline__ int window_bin(unsigned key) {
-  const unsigned p14 = key >> kWindowShift;
-  const int low13 = (int)(p14 & 0x1fffu);  // exponent and 5 mantissa bits (negatives: inverted, as the key)
-  if (p14 & 0x2000u) {  // >= +0: bins 1024 (below the window) .. 1025 + off .. 2047 (above)
-    const int off = low13 - (kWindowLowExp << 5);
-    return off < 0 ? kBins / 2 : off >= kWindowBinsPerSide ? kBins - 1 : kBins / 2 + 1 + off;
-  }
-  const int off = (0x1fff - low13) - (kWindowLowExp << 5);  // of the magnitude
-  return off < 0 ? kBins / 2 - 1 : off >= kWindowBinsPerSide ? 0 : kBins / 2 - 2 - off;
-}
+// The window with M mantissa bits: 2^(M + 6) bins (two sides of 31 exponents x 2^M steps and two clamp bins each).
+// window_bin / window_prefix: M = 5, one histogram of 2048 bins, 14-bit prefixes at shift 18. wide_bin / wide_prefix
+// (DSA_TOPK_SOLO_GATHER 2): M = 6, 64 bins an octave (as fine as a 12-bit fp16 key) over both histograms as one of
+// 4096, so that a solo row's threshold bin holds about half the keys for gather_threshold to rank; 15-bit prefixes at
+// shift 17.
+template <int M>
+struct ExponentWindow {
+  static constexpr int kShift = 23 - M;               // key >> kShift: sign, 8 exponent bits, M mantissa bits
+  static constexpr int kBinCount = 1 << (M + 6);
+  static constexpr int kPerSide = 31 << M;            // in-window bins per sign, between its two clamp bins
+  static constexpr unsigned kSign = 1u << (8 + M);    // the sign bit of the prefix (set: >= +0)
+  static constexpr int kLow = kWindowLowExp << M;     // the prefix's exponent and mantissa bits at 2^-15
+  static_assert(2 * (kPerSide + 2) <= kBinCount, "the window's bins fit its histogram");
 
-// The 14-bit key prefix of window bin `bin`; false for a clamp bin (no single prefix).
-__device__ __forceinline__ bool window_prefix(int bin, unsigned& prefix) {
-  if (bin > kBins / 2 && bin <= kBins / 2 + kWindowBinsPerSide) {
-    prefix = 0x2000u | (unsigned)((kWindowLowExp << 5) + bin - (kBins / 2 + 1));
-    return true;
+  static __host__ __device__ __forceinline__ int bin(unsigned key) {
+    const unsigned prefix = key >> kShift;
+    const int low = (int)(prefix & (kSign - 1u));  // exponent and mantissa bits (negatives: inverted, as the key)
+    if (prefix & kSign) {  // >= +0: bins kBinCount / 2 (below the window) .. kBinCount / 2 + 1 + off .. top (above)
+      const int off = low - kLow;
+      return off < 0 ? kBinCount / 2 : off >= kPerSide ? kBinCount - 1 : kBinCount / 2 + 1 + off;
+    }
+    const int off = ((int)kSign - 1 - low) - kLow;  // of the magnitude
+    return off < 0 ? kBinCount / 2 - 1 : off >= kPerSide ? 0 : kBinCount / 2 - 2 - off;
   }
-  if (bin < kBins / 2 - 1 && bin >= kBins / 2 - 1 - kWindowBinsPerSide) {
-    prefix = (unsigned)(0x1fff - ((kWindowLowExp << 5) + (kBins / 2 - 2 - bin)));
-    return true;
-  }
-  return false;
-}
 
-// A finer level 0 for a solo row (DSA_TOPK_SOLO_GATHER 2): the exponent window with 6 mantissa bits (64 bins an
-// octave, as fine as a 12-bit fp16 key) over both histograms as one of 4096 bins, so that the threshold bin holds
-// about half the keys of window_bin's and gather_threshold ranks fewer. Each in-window bin is exactly the keys
-// sharing a 15-bit prefix (shift kWideShift); the clamp bins, as window_bin's, are no such prefix.
-constexpr int kWideBins = 2 * kBins;
-constexpr int kWideShift = 17;                  // key >> 17: sign, 8 exponent bits, 6 mantissa bits
-constexpr int kWideBinsPerSide = 31 * 64;      // 31 exponents x 64 mantissa steps, between the two clamp bins
-static_assert(2 * (kWideBinsPerSide + 2) <= kWideBins, "the wide window's bins fit both histograms");
-
-__device__ __forceinline__ int wide_bin(unsigned key) {
-  const unsigned p15 = key >> kWideShift;
-  const int low14 = (int)(p15 & 0x3fffu);  // exponent and 6 mantissa bits (negatives: inverted, as the key)
-  if (p15 & 0x4000u) {  // >= +0: bins 2048 (below the window) .. 2049 + off .. 4095 (above)
-    const int off = low14 - (kWindowLowExp << 6);
-    return off < 0 ? kWideBins / 2 : off >= kWideBinsPerSide ? kWideBins - 1 : kWideBins / 2 + 1 + off;
+  // The key prefix (at kShift) of in-window bin `b`; false for a clamp bin (no single prefix).
+  static __host__ __device__ __forceinline__ bool prefix_of(int b, unsigned& prefix) {
+    if (b > kBinCount / 2 && b <= kBinCount / 2 + kPerSide) {
+      prefix = kSign | (unsigned)(kLow + b - (kBinCount / 2 + 1));
+      return true;
+    }
+    if (b < kBinCount / 2 - 1 && b >= kBinCount / 2 - 1 - kPerSide) {
+      prefix = (unsigned)((int)kSign - 1 - (kLow + (kBinCount / 2 - 2 - b)));
+      return true;
+    }
+    return false;
   }
-  const int off = (0x3fff - low14) - (kWindowLowExp << 6);  // of the magnitude
-  return off < 0 ? kWideBins / 2 - 1 : off >= kWideBinsPerSide ? 0 : kWideBins / 2 - 2 - off;
-}
-
-// The 15-bit key prefix of wide bin `bin`; false for a clamp bin.
-__device__ __forceinline__ bool wide_prefix(int bin, unsigned& prefix) {
-  if (bin > kWideBins / 2 && bin <= kWideBins / 2 + kWideBinsPerSide) {
-    prefix = 0x4000u | (unsigned)((kWindowLowExp << 6) + bin - (kWideBins / 2 + 1));
-    return true;
-  }
-  if (bin < kWideBins / 2 - 1 && bin >= kWideBins / 2 - 1 - kWideBinsPerSide) {
-    prefix = (unsigned)(0x3fff - ((kWindowLowExp << 6) + (kWideBins / 2 - 2 - bin)));
-    return true;
-  }
-  return false;
-}
+};
+using Window = ExponentWindow<5>;
+using WideWindow = ExponentWindow<6>;
+static_assert(Window::kBinCount == kBins && WideWindow::kBinCount == 2 * kBins, "one histogram; both as one");
+constexpr int kWindowShift = Window::kShift;
+constexpr int kWideShift = WideWindow::kShift;
+__device__ __forceinline__ int window_bin(unsigned key) { return Window::bin(key); }
+__device__ __forceinline__ bool window_prefix(int bin, unsigned& prefix) { return Window::prefix_of(bin, prefix); }
+__device__ __forceinline__ int wide_bin(unsigned key) { return WideWindow::bin(key); }
+__device__ __forceinline__ bool wide_prefix(int bin, unsigned& prefix) { return WideWindow::prefix_of(bin, prefix); }
 
 // find_bin for one CTA over the 4096 bins of both histograms (`wide`): the same two stages, 128 groups of 32 bins
 // (four per lane of warp 0). Nothing is cleared: the caller clears what its next level uses.
