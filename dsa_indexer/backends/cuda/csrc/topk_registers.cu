@@ -146,6 +146,25 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::); }
 
+// The last step of a find_bin, in warp 0: lane l holds the count `c` of bin 32 * group + l (the group holding the
+// k_rem-th largest), `above` counts the keys in the bins above the group. The lane of the crossing bin writes it, the
+// k_rem left within it and its count to found[0..2].
+__device__ __forceinline__ void publish_crossing_bin(int c, int group, int above, int k_rem, int* found) {
+  const int lane = threadIdx.x & 31;
+  int incl = c;  // over lanes >= lane: bins above, larger keys first
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, incl, off);
+    if (lane + off < 32) incl += y;
+  }
+  const int above_bin = above + incl - c;
+  if (above_bin < k_rem && above_bin + c >= k_rem) {
+    found[0] = group * 32 + lane;
+    found[1] = k_rem - above_bin;
+    found[2] = c;
+  }
+}
+
 // The bin holding the k_rem-th largest element of this level's (cluster-merged) histogram `h`, how many of it
 // are still needed, and its count; every thread of every CTA of the cluster gets the same answer. Two stages, so
 // that a cluster moves 64 + 32 counts per CTA over distributed shared memory instead of every peer's 2048 bins
@@ -226,18 +245,7 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
         for (int q = 0; q < kPeerBatch; ++q) c += part[q];
       }
     }
-    int incl2 = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
-      if (lane + off < 32) incl2 += y;
-    }
-    const int above_bin = above + incl2 - c;
-    if (above_bin < k_rem && above_bin + c >= k_rem) {
-      s.found[0] = group * 32 + lane;
-      s.found[1] = k_rem - above_bin;
-      s.found[2] = c;
-    }
+    publish_crossing_bin(c, group, above, k_rem, s.found);
   }
   __syncthreads();
   bin = s.found[0];
@@ -368,18 +376,7 @@ __device__ __forceinline__ void find_bin_wide(const int* wide, int k_rem, Shared
     group = __shfl_sync(0xffffffffu, group, src);
     above = __shfl_sync(0xffffffffu, above, src);
     const int c = wide[group * 32 + lane];
-    int incl2 = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
-      if (lane + off < 32) incl2 += y;
-    }
-    const int above_bin = above + incl2 - c;
-    if (above_bin < k_rem && above_bin + c >= k_rem) {
-      s.found[0] = group * 32 + lane;
-      s.found[1] = k_rem - above_bin;
-      s.found[2] = c;
-    }
+    publish_crossing_bin(c, group, above, k_rem, s.found);
   }
   __syncthreads();
   bin = s.found[0];
@@ -1216,18 +1213,7 @@ __device__ __forceinline__ void prefill_find_bin(int* h, int* next, int k_rem, P
     group = __shfl_sync(0xffffffffu, group, src);
     above = __shfl_sync(0xffffffffu, above, src);
     const int c = h[group * 32 + lane];
-    int incl2 = c;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl2, off);
-      if (lane + off < 32) incl2 += y;
-    }
-    const int above_bin = above + incl2 - c;
-    if (above_bin < k_rem && above_bin + c >= k_rem) {
-      s.found[0] = group * 32 + lane;
-      s.found[1] = k_rem - above_bin;
-      s.found[2] = c;
-    }
+    publish_crossing_bin(c, group, above, k_rem, s.found);
   }
   __syncthreads();
   bin = s.found[0];
