@@ -406,11 +406,13 @@ class Registry:
             self.generation += 1
 
     def clear_cache(self) -> None:
-        """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment."""
+        """Forget cached resolutions and re-read DSA_INDEXER_TARGET / _FORCE / _STRICT from the environment; the
+        once-per-(op, target) warnings (a fallback to the reference, an unusable force) are given again."""
         reload_environment()
         with self._lock:
             self._broken.clear()
             self._check_failures.clear()
+            self._warned.clear()
             self._invalidate()
 
     # --- resolution ---------------------------------------------------------------------------

@@ -58,6 +58,21 @@ def test_bind_follows_force_and_the_fallback():
     assert "heads=128" in fallback.resolution.explain()
 
 
+def test_the_fallback_warning_is_given_once_until_the_cache_is_cleared():
+    """Once per (op, target): a second resolution is quiet. clear_cache forgets that it was said, as it forgets the
+    resolutions, so a caller that changes the environment and clears hears it again (a test that expects the
+    warning no longer depends on which tests ran before it in the same process)."""
+    reg = _registry()
+    with pytest.warns(RuntimeWarning, match="falls back to the slow reference"):
+        bind("op", SM100, Problem(heads=128), registry=reg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bind("op", SM100, Problem(heads=96), registry=reg)  # the same (op, target): said already
+    reg.clear_cache()
+    with pytest.warns(RuntimeWarning, match="falls back to the slow reference"):
+        bind("op", SM100, Problem(heads=128), registry=reg)
+
+
 def test_a_missing_implementation_raises_the_registrys_error():
     reg = Registry(environment=Environment.simulated(gpu=True))
     reg.implementation("op", impl_id="op.vendor.fast", targets=("sm90",), priority=200,
