@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from dsa_indexer.backends.cuda import jit
+from dsa_indexer.backends.cuda import jit, topk
 
 HARNESS = r"""
 #include "%(source)s"
@@ -50,16 +50,10 @@ def test_every_key_prefix_lands_in_one_ordered_bin(tmp_path):
     if nvcc is None:
         pytest.skip("no nvcc: the window is checked where the CUDA kernels can build")
     src = tmp_path / "window_check.cu"
-    src.write_text(HARNESS % {"source": jit.CSRC / jit_source()})
+    src.write_text(HARNESS % {"source": jit.CSRC / topk.REGISTERS_SOURCE})
     exe = tmp_path / "window_check"
     flags = ["-O1", "-std=c++17", "--expt-relaxed-constexpr", *jit.arch_flags((9, 0))]  # the kernels need sm90
     built = subprocess.run([nvcc, *flags, "-o", str(exe), str(src)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
     ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0 and ran.stdout.split() == ["0", "0"], ran.stdout + ran.stderr
-
-
-def jit_source() -> str:
-    from dsa_indexer.backends.cuda import topk
-
-    return topk.REGISTERS_SOURCE
