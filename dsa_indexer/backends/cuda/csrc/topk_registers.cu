@@ -32,6 +32,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <cstdio>
 
 namespace cg = cooperative_groups;
 
@@ -58,6 +59,13 @@ constexpr bool kProbeLoads = DSA_TOPK_PROBE_LOADS;
 #define DSA_TOPK_PROBE_STREAM_PASS 0
 #endif
 constexpr bool kProbeStreamPass = DSA_TOPK_PROBE_STREAM_PASS;
+// A probe build (benchmarks only, results right): thread 0 of the first CTA stamps the SM clock at each stage of its
+// first row's register select (after a block barrier, so a stamp is the whole CTA's) and prints the cycles between.
+#ifndef DSA_TOPK_STAGE_CLOCKS
+#define DSA_TOPK_STAGE_CLOCKS 0
+#endif
+constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
+constexpr int kMaxStages = 16;
 
 struct Params {
   const float* x;
@@ -141,6 +149,18 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
     if (lane >= off) v += y;
   }
   return v;
+}
+
+// The stage-clock probe (DSA_TOPK_STAGE_CLOCKS): stamp `n` of this CTA's row; print_stage_clocks prints stamps
+// 1..n as cycles since the one before, once, from the first CTA of the launch.
+__device__ __forceinline__ void stage_clock(long long* stamps, int n) {
+  if (kStageClocks && threadIdx.x == 0 && n < kMaxStages) stamps[n] = clock64();
+}
+__device__ __forceinline__ void print_stage_clocks(const long long* stamps, int n, int kpt, int csize, int level) {
+  if (!kStageClocks || threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0) return;
+  printf("stage clocks KPT %d csize %d levels %d: total %lld |", kpt, csize, level, stamps[n - 1] - stamps[0]);
+  for (int i = 1; i < n && i < kMaxStages; ++i) printf(" %lld", stamps[i] - stamps[i - 1]);
+  printf("\n");
 }
 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::); }
@@ -384,6 +404,64 @@ __device__ __forceinline__ void find_bin_wide(const int* wide, int k_rem, Shared
   count = s.found[2];
 }
 
+// `find_bin` for one CTA of T threads (no cluster): the bin holding the k_rem-th largest of `h`, how many of it are
+// still needed, its count; `next` is cleared on the way (nobody reads it any more: it is two levels old). S: any
+// shared struct with `group[kBins / 32]` and `found[3]`.
+template <int T, class S>
+__device__ __forceinline__ void block_find_bin(int* h, int* next, int k_rem, S& s, int& bin, int& need,
+                                               int& count) {
+  constexpr int kPer = kBins / T;        // bins per thread: 8 (T = 256), 4 (T = 512) or 2 (T = 1024)
+  static_assert(kPer == 2 || kPer % 4 == 0, "bins are read as int2 or int4");
+  constexpr int kThreadsPerGroup = 32 / kPer;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  __syncthreads();  // this level's atomics are complete
+  int m = 0;
+  if constexpr (kPer == 2) {
+    const int2 v = reinterpret_cast<const int2*>(h)[t];
+    m = v.x + v.y;
+    reinterpret_cast<int2*>(next)[t] = make_int2(0, 0);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPer / 4; ++j) {
+      const int4 v = reinterpret_cast<const int4*>(h)[t * (kPer / 4) + j];
+      m += v.x + v.y + v.z + v.w;
+      reinterpret_cast<int4*>(next)[t * (kPer / 4) + j] = make_int4(0, 0, 0, 0);
+    }
+  }
+#pragma unroll
+  for (int off = 1; off < kThreadsPerGroup; off <<= 1) m += __shfl_xor_sync(0xffffffffu, m, off);
+  if ((lane & (kThreadsPerGroup - 1)) == 0) s.group[t / kThreadsPerGroup] = m;
+  __syncthreads();  // the group sums are complete
+  if (warp == 0) {
+    const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];  // groups 2 * lane, 2 * lane + 1
+    const int lo = pair.x, hi = pair.y, both = lo + hi;
+    int incl = both;  // over lanes >= lane: groups above, larger keys first
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl, off);
+      if (lane + off < 32) incl += y;
+    }
+    const int above_hi = incl - both, above_lo = above_hi + hi;
+    int group = -1, above = 0;
+    if (above_hi < k_rem && above_hi + hi >= k_rem) {
+      group = 2 * lane + 1;
+      above = above_hi;
+    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
+      group = 2 * lane;
+      above = above_lo;
+    }
+    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;
+    group = __shfl_sync(0xffffffffu, group, src);
+    above = __shfl_sync(0xffffffffu, above, src);
+    const int c = h[group * 32 + lane];
+    publish_crossing_bin(c, group, above, k_rem, s.found);
+  }
+  __syncthreads();
+  bin = s.found[0];
+  need = s.found[1];
+  count = s.found[2];
+}
+
 // Columns [c_lo, c_hi) of a row into L2 (a 128-byte line per thread and step), issued before the row's window is
 // read: otherwise the kernel's first global read (ends) and its first loads of the row are two DRAM round trips
 // in a row (~2 us each after the L2 is flushed). Prefetches fill no register and cannot change a result; they
@@ -467,6 +545,9 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
   constexpr int kChunk = KPT * kThreads;
   constexpr int kVecs = KPT / 4;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
+  int n_stamps = 0;
+  stage_clock(stamps, n_stamps++);
   {
     // Column of key [j][i]: base + j * 4 * kThreads + 4 * t + i. base is 16-byte aligned when rows are.
     const int base = (start & ~3) + rank * kChunk;
@@ -508,6 +589,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
     }
     __syncthreads();  // the cleared histogram before any atomic
+    stage_clock(stamps, n_stamps++);
 
     // ---- radix select on the key: 11 + 11 + 10 bits, stopping when the threshold bin is taken whole. (Levels
     // from the row's highest varying bit, as the streaming kernel's, measured 1-2 us slower here: H200, 1 x 8K
@@ -534,6 +616,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin_wide(wide, k_rem, s, bin, need, count);
+      stage_clock(stamps, n_stamps++);
       level = 2;  // the radix levels below (if any) start on hist[0], which the next find_bin leaves cleared
       if (wide_prefix(bin, prefix)) {  // uniform
         shift = kWideShift;
@@ -541,6 +624,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         done = count == need;
         if (GATHER && !done && count <= kGatherCap) {
           gather_threshold<KPT>(key, live, base, start, prefix, kWideShift, need, count, s, thr_key, thr_col);
+          stage_clock(stamps, n_stamps++);
           gathered = done = true;
         }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
@@ -558,6 +642,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count);
+      stage_clock(stamps, n_stamps++);
       ++level;
       if (window_prefix(bin, prefix)) {  // uniform: every CTA found the same bin
         shift = kWindowShift;
@@ -565,6 +650,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         done = count == need;
         if (GATHER && !done && count <= kGatherCap) {  // uniform: from find_bin
           gather_threshold<KPT>(key, live, base, start, prefix, kWindowShift, need, count, s, thr_key, thr_col);
+          stage_clock(stamps, n_stamps++);
           gathered = done = true;
         }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
@@ -582,6 +668,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
+      stage_clock(stamps, n_stamps++);
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -612,6 +699,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         }
         int bin, need, count;
         find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
+        stage_clock(stamps, n_stamps++);
         ++level;
         prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
         shift2 = nshift;
@@ -649,6 +737,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     int incl = warp_inclusive_sum(mine);
     if (lane == 31) s.warp_sum[warp] = incl;
     __syncthreads();
+    stage_clock(stamps, n_stamps++);
     int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -684,6 +773,8 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // No CTA may clear its histogram (next row) or exit while a peer may still read its shared memory; the
     // block barrier keeps warp_sum from being overwritten by the next row's scan before every warp read it.
     if (csize > 1) cluster_wait(); else __syncthreads();
+    stage_clock(stamps, n_stamps++);
+    print_stage_clocks(stamps, n_stamps, KPT, csize, level);
   }
 }
 
@@ -797,10 +888,12 @@ constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
 struct StreamShared {
   Shared base;
   int n_cand;
-  unsigned cand_key[kStreamCandCap];
+  alignas(16) unsigned cand_key[kStreamCandCap];  // (with cand_col and bitmap: a short row's keys, smem_select_row)
   int cand_col[kStreamCandCap];
   unsigned bitmap[kStreamMaxCols / 32];
 };
+static_assert(sizeof(unsigned) * (2 * kStreamCandCap + kStreamMaxCols / 32) >= sizeof(unsigned) * kSoloMaxSpan,
+              "a short row's keys fit the candidates' and the bitmap's space");
 
 // The float4 at column c0 (c0 % 4 == 0): one vector load when it lies inside the window of an aligned row, else
 // scalar loads of its columns inside the window (0 elsewhere). Loads only: callers convert after issuing several,
@@ -845,6 +938,179 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
   }
 }
 
+// ---- The shared-memory select of a short row (span <= kSoloMaxSpan), for the streaming kernel. Why not the register
+// select: there every pass over the keys is unrolled over the thread's registers (16 or 32 copies of its body), so a
+// row's select executes ~1250 instructions per warp of straight-line code met once; after an engine's other kernels
+// (or the benchmark's L2 flush) that code comes from DRAM, and Nsight Compute put two thirds of the register
+// select's stall cycles on instruction fetch (H100, 1 x 8K: 32.7K cycles cold, SGLang's select 13.0K). Here the
+// keys stay in shared memory and every pass is a loop of 4 keys per step: the same passes in a few hundred bytes of
+// code each. The row arrives by cp.async (every load of the row in flight at once, no registers held); level 0
+// is the exponent window (window_bin) fused with the conversion to keys.
+__device__ __forceinline__ void cp_async16_zfill(const unsigned* smem, const float* gmem, int bytes) {
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
+}
+
+template <int T, class F>
+__device__ __forceinline__ void for_each_key4(const uint4* keys4, int nvec, F&& f) {
+  for (int v = (int)threadIdx.x, j = 0; v < nvec; v += T, ++j) {
+    const uint4 q = keys4[v];
+    f(q.x, 4 * v, 4 * j);
+    f(q.y, 4 * v + 1, 4 * j + 1);
+    f(q.z, 4 * v + 2, 4 * j + 2);
+    f(q.w, 4 * v + 3, 4 * j + 3);
+  }
+}
+
+// T threads; S: a shared struct with hist[2][kBins], group, warp_sum[T / 32], found (block_find_bin).
+template <int T, class S>
+__device__ __forceinline__ void smem_select_row(const Params& p, const float* x_row, int start, int end, int req,
+                                                int* out_row, S& s, unsigned* keys) {
+  static_assert(kSoloMaxSpan / 4 / T <= 8, "a thread's selected keys fit one 32-bit mask");
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int base = start & ~3;  // key i holds column base + i
+  const int nvec = (end - base + 3) >> 2;  // <= kSoloMaxSpan / 4
+  uint4* keys4 = reinterpret_cast<uint4*>(keys);
+  __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
+  int n_stamps = 0;
+  stage_clock(stamps, n_stamps++);
+  for (int v = t; v < nvec; v += T) {
+    const int c0 = base + 4 * v;
+    if (p.aligned) {
+      cp_async16_zfill(keys + 4 * v, x_row + c0, 4 * min(4, end - c0));  // (c0 < end: v < nvec)
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) keys[4 * v + i] = c0 + i < end ? __float_as_uint(__ldg(x_row + c0 + i)) : 0u;
+    }
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  for (int b = t; b < kBins; b += T) s.hist[0][b] = 0;
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();  // the row and the cleared histogram
+  stage_clock(stamps, n_stamps++);
+
+  // ---- keys in place (0 outside the window) and level 0: the exponent window
+  int* h0 = s.hist[0];
+  for (int v = t; v < nvec; v += T) {
+    const uint4 raw = keys4[v];
+    unsigned kk[4] = {raw.x, raw.y, raw.z, raw.w};
+    const int c0 = base + 4 * v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      kk[i] = (c0 + i >= start && c0 + i < end) ? order_key(__uint_as_float(kk[i])) : 0u;
+      if (kk[i] != 0u) atomicAdd(&h0[window_bin(kk[i])], 1);
+    }
+    keys4[v] = make_uint4(kk[0], kk[1], kk[2], kk[3]);
+  }
+  int bin, need, count;
+  block_find_bin<T>(h0, s.hist[1], p.k, s, bin, need, count);
+  stage_clock(stamps, n_stamps++);
+  int level = 1;
+  unsigned prefix = 0u;  // the resolved high bits of the k-th key: the class is key >> shift == prefix
+  int shift = 32;
+  int k_rem = p.k;
+  bool done = false, tie = false;
+  if (window_prefix(bin, prefix)) {  // uniform; else a clamp bin: the plain levels from bit 31 on the whole row
+    shift = kWindowShift;
+    k_rem = need;
+    done = count == need;
+  }
+  while (!done) {
+    const int nshift = shift > kBinBits ? shift - kBinBits : 0;
+    const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
+    int* h = s.hist[level & 1];
+    for_each_key4<T>(keys4, nvec, [&](unsigned kk, int, int) {
+      if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+    });
+    block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+    stage_clock(stamps, n_stamps++);
+    ++level;
+    prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
+    shift = nshift;
+    k_rem = need;
+    if (count == need) break;  // the whole bin is taken
+    if (shift == 0) {
+      tie = true;
+      break;
+    }
+  }
+  // ---- ties: among keys equal to `prefix`, the k_rem lowest columns (key2 = ~column, larger = lower column)
+  unsigned prefix2 = 0u;
+  int shift2 = kColBits;
+  if (tie) {
+    while (true) {
+      const int nshift = shift2 > kBinBits ? shift2 - kBinBits : 0;
+      const unsigned digit_mask = (1u << (shift2 - nshift)) - 1u;
+      int* h = s.hist[level & 1];
+      for_each_key4<T>(keys4, nvec, [&](unsigned kk, int i, int) {
+        if (kk != prefix) return;
+        const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(base + i - start);
+        if (shift2 >= kColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
+      });
+      block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+      ++level;
+      prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
+      shift2 = nshift;
+      k_rem = need;
+      if (count == need) break;  // columns are distinct: at the latest when shift2 reaches 0
+    }
+  }
+  // ---- selection (bit 4 j + i: key i of the thread's j-th float4) and the ordered write, as registers_select_row
+  unsigned selected = 0u;
+  for_each_key4<T>(keys4, nvec, [&](unsigned kk, int i, int bit) {
+    if (kk == 0u) return;
+    const unsigned cls = kk >> shift;
+    bool sel = cls > prefix;
+    if (cls == prefix) {
+      if (!tie) {
+        sel = true;
+      } else {
+        const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(base + i - start);
+        sel = (k2 >> shift2) >= prefix2;
+      }
+    }
+    selected |= sel ? (1u << bit) : 0u;
+  });
+  const int mine = __popc(selected);
+  const int incl = warp_inclusive_sum(mine);
+  if (lane == 31) s.warp_sum[warp] = incl;
+  __syncthreads();
+  stage_clock(stamps, n_stamps++);
+  int offset = incl - mine, total = 0;
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) {
+    const int n = s.warp_sum[w];
+    offset += w < warp ? n : 0;
+    total += n;
+  }
+  const bool staged = p.k <= 2 * kBins;  // uniform; both histograms are read (the barrier above)
+  int* dst = staged ? &s.hist[0][0] : out_row;
+  while (selected != 0u) {
+    const int bit = __ffs(selected) - 1;
+    selected &= selected - 1u;
+    const int c = base + 4 * (t + (bit >> 2) * T) + (bit & 3);
+    dst[offset++] = out_value(c - start, req, p);
+  }
+  if (staged) {
+    __syncthreads();
+    for (int j = t; j < total; j += T) out_row[j] = dst[j];
+  }
+  __syncthreads();  // the keys, histograms and warp sums are reused by the next row
+  stage_clock(stamps, n_stamps++);
+  print_stage_clocks(stamps, n_stamps, -T, 1, level);
+}
+
+// Off: the register select for the streaming kernel's short rows; on: smem_select_row (a define, so that a
+// benchmark build can compare both).
+#ifndef DSA_TOPK_SOLO_SMEM
+#define DSA_TOPK_SOLO_SMEM 0
+#endif
+constexpr bool kSoloSmem = DSA_TOPK_SOLO_SMEM;
+#ifndef DSA_TOPK_STREAM_SHORT_SMEM
+#define DSA_TOPK_STREAM_SHORT_SMEM 0
+#endif
+constexpr bool kStreamShortSmem = DSA_TOPK_STREAM_SHORT_SMEM;
+
 __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
@@ -875,7 +1141,10 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     }
     const float* x_row = p.x + (long long)row * p.x_stride;
     if (end - (start & ~3) <= kSoloMaxSpan) {  // a short row (a padded launch's width is no guide): in registers
-      registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
+      if (kSoloSmem)
+        smem_select_row<kThreads>(p, x_row, start, end, req, out_row, s.base, s.cand_key);
+      else
+        registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
       continue;
     }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
@@ -1132,7 +1401,63 @@ cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     configured = true;
   }
-  topk_stream_kernel<<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
+  // A launch whose rows are all short (its width fits one CTA's registers) uses s.base only: it asks for that much
+  // shared memory, not the candidates' and bitmap's ~80 KB more (a probe of whether the larger carveout costs).
+  const bool short_rows_only = kStreamShortSmem && !kSoloSmem && p.cols <= kSoloMaxSpan;
+  topk_stream_kernel<<<grid, kThreads, short_rows_only ? sizeof(Shared) : sizeof(StreamShared), stream>>>(p);
+  return cudaSuccess;
+}
+
+// ---- The short-row kernel (DSA_TOPK_SHORT_KERNEL): a launch whose width fits one CTA (<= kSoloMaxSpan columns)
+// runs smem_select_row with 1024 threads, one CTA per row: half the instructions per warp of the streaming kernel's
+// 512 (its select is latency-bound: each warp's chain of dependent instructions, not the SM's issue rate, sets
+// the time), at <= 64 registers. Shared memory: ShortShared, then the row's keys.
+#ifndef DSA_TOPK_SHORT_KERNEL
+#define DSA_TOPK_SHORT_KERNEL 0
+#endif
+constexpr bool kShortKernel = DSA_TOPK_SHORT_KERNEL;
+constexpr int kShortThreads = 1024;
+
+template <int T>
+struct ShortShared {
+  int hist[2][kBins];
+  int group[kBins / 32];
+  int warp_sum[T / 32];
+  int found[3];
+};
+
+constexpr int kShortKeysOffset = (int)((sizeof(ShortShared<kShortThreads>) + 15) / 16 * 16);  // keys 16-byte aligned
+
+template <int T>
+__global__ void __launch_bounds__(T, 1) topk_short_kernel(Params p) {
+  extern __shared__ __align__(16) unsigned char short_smem[];
+  ShortShared<T>& s = *reinterpret_cast<ShortShared<T>*>(short_smem);
+  unsigned* keys = reinterpret_cast<unsigned*>(short_smem + kShortKeysOffset);
+  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int end = p.ends[row];
+    const int start = p.starts != nullptr ? p.starts[row] : 0;
+    const int req = p.row_request != nullptr ? p.row_request[row] : row;
+    int* out_row = p.out + (long long)row * p.k;
+    const int width = end - start;
+    if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
+      for (int j = threadIdx.x; j < p.k; j += T) out_row[j] = out_value(j < width ? j : -1, req, p);
+      continue;
+    }
+    smem_select_row<T>(p, p.x + (long long)row * p.x_stride, start, end, req, out_row, s, keys);
+  }
+}
+
+cudaError_t launch_short(const Params& p, int grid, cudaStream_t stream) {
+  const int smem = kShortKeysOffset + 16 * ((p.cols + 3) / 4 + 1);
+  static bool configured = false;  // host work once: the >48 KB dynamic shared memory opt-in
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(topk_short_kernel<kShortThreads>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 kShortKeysOffset + 16 * (kSoloMaxSpan / 4 + 1));
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  topk_short_kernel<kShortThreads><<<grid, kShortThreads, smem, stream>>>(p);
   return cudaSuccess;
 }
 
@@ -1170,56 +1495,6 @@ struct PrefillShared {
     unsigned sample[kPrefillSampleKeys];  // the sampled keys, before any candidate is written
   };
 };
-
-// `find_bin` for one CTA of T threads (no cluster): the bin holding the k_rem-th largest of `h`, how many of it are
-// still needed, its count; `next` is cleared on the way (nobody reads it any more: it is two levels old).
-template <int T>
-__device__ __forceinline__ void prefill_find_bin(int* h, int* next, int k_rem, PrefillShared<T>& s, int& bin,
-                                                 int& need, int& count) {
-  constexpr int kPer = kBins / T;        // bins per thread: 8 (T = 256) or 4 (T = 512)
-  constexpr int kThreadsPerGroup = 32 / kPer;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  __syncthreads();  // this level's atomics are complete
-  int m = 0;
-#pragma unroll
-  for (int j = 0; j < kPer / 4; ++j) {
-    const int4 v = reinterpret_cast<const int4*>(h)[t * (kPer / 4) + j];
-    m += v.x + v.y + v.z + v.w;
-    reinterpret_cast<int4*>(next)[t * (kPer / 4) + j] = make_int4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int off = 1; off < kThreadsPerGroup; off <<= 1) m += __shfl_xor_sync(0xffffffffu, m, off);
-  if ((lane & (kThreadsPerGroup - 1)) == 0) s.group[t / kThreadsPerGroup] = m;
-  __syncthreads();  // the group sums are complete
-  if (warp == 0) {
-    const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];  // groups 2 * lane, 2 * lane + 1
-    const int lo = pair.x, hi = pair.y, both = lo + hi;
-    int incl = both;  // over lanes >= lane: groups above, larger keys first
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl, off);
-      if (lane + off < 32) incl += y;
-    }
-    const int above_hi = incl - both, above_lo = above_hi + hi;
-    int group = -1, above = 0;
-    if (above_hi < k_rem && above_hi + hi >= k_rem) {
-      group = 2 * lane + 1;
-      above = above_hi;
-    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
-      group = 2 * lane;
-      above = above_lo;
-    }
-    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;
-    group = __shfl_sync(0xffffffffu, group, src);
-    above = __shfl_sync(0xffffffffu, above, src);
-    const int c = h[group * 32 + lane];
-    publish_crossing_bin(c, group, above, k_rem, s.found);
-  }
-  __syncthreads();
-  bin = s.found[0];
-  need = s.found[1];
-  count = s.found[2];
-}
 
 // Exclusive block scan of `mine` (the step's warp sums in warp_sum[parity]): the thread's offset among the
 // block's, and the block's total. One barrier: the other parity's buffer is written by the next step, and every
@@ -1376,7 +1651,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
           const unsigned kk = s.sample[e * T + t];
           if (kk != 0u && (sshift >= 32 || (kk >> sshift) == sprefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
         }
-        prefill_find_bin<T>(h, s.hist[(level + 1) & 1], m, s, bin, need, count);
+        block_find_bin<T>(h, s.hist[(level + 1) & 1], m, s, bin, need, count);
         ++level;
         sprefix = (sshift >= 32 ? 0u : (sprefix << (sshift - nshift))) | (unsigned)bin;
         sshift = nshift;
@@ -1432,7 +1707,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
       for_each_key([&](unsigned kk, int) {
         if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       });
-      prefill_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+      block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -1456,7 +1731,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
             if (shift2 >= kPrefillColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
           }
         });
-        prefill_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+        block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
         ++level;
         prefix2 = (shift2 >= kPrefillColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
         shift2 = nshift;
@@ -1668,7 +1943,8 @@ int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int col
                            int* out, int grid, int aligned, void* stream) {
   if (cols > kStreamMaxCols || grid < 1) return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
-  const cudaError_t err = launch_stream(p, grid, (cudaStream_t)stream);
+  const cudaError_t err = kShortKernel && cols <= kSoloMaxSpan ? launch_short(p, grid, (cudaStream_t)stream)
+                                                               : launch_stream(p, grid, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
