@@ -65,6 +65,12 @@ constexpr bool kProbeStreamPass = DSA_TOPK_PROBE_STREAM_PASS;
 #define DSA_TOPK_STAGE_CLOCKS 0
 #endif
 constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
+// The register select's loads: 1 issues every float4 of the thread's keys before converting any (0: each group is
+// converted right after its load, in one loop).
+#ifndef DSA_TOPK_LOADS_FIRST
+#define DSA_TOPK_LOADS_FIRST 0
+#endif
+constexpr bool kLoadsFirst = DSA_TOPK_LOADS_FIRST;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -532,6 +538,30 @@ __device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int
   thr_col = s.thr_col;
 }
 
+// The float4 at column c0 (c0 % 4 == 0): one vector load when it lies inside the window of an aligned row, else
+// scalar loads of its columns inside the window (0 elsewhere). Loads only: callers convert after issuing several,
+// so that the loads are in flight together (a conversion right after each load serialises them).
+__device__ __forceinline__ float4 raw_load4(const float* x_row, int c0, int start, int end, int aligned) {
+  if (aligned && c0 >= start && c0 + 4 <= end) return __ldg(reinterpret_cast<const float4*>(x_row + c0));
+  float4 r;
+  r.x = (c0 >= start && c0 < end) ? __ldg(x_row + c0) : 0.f;
+  r.y = (c0 + 1 >= start && c0 + 1 < end) ? __ldg(x_row + c0 + 1) : 0.f;
+  r.z = (c0 + 2 >= start && c0 + 2 < end) ? __ldg(x_row + c0 + 2) : 0.f;
+  r.w = (c0 + 3 >= start && c0 + 3 < end) ? __ldg(x_row + c0 + 3) : 0.f;
+  return r;
+}
+
+__device__ __forceinline__ void keys4(const float4 q, int c0, int start, int end, unsigned (&key)[4]) {
+  const float f[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) key[i] = (c0 + i >= start && c0 + i < end) ? order_key(f[i]) : 0u;
+}
+
+__device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start, int end, int aligned,
+                                          unsigned (&key)[4]) {
+  keys4(raw_load4(x_row, c0, start, end, aligned), c0, start, end, key);
+}
+
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
@@ -563,8 +593,23 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     if (GATHER && t == 0) s.n_gathered = 0;
 
     unsigned key[KPT];
+    if (kLoadsFirst) {  // every load of the row issued before the first conversion waits for one
+      float4 q[kVecs];
 #pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
+      for (int j = 0; j < kVecs; ++j) {
+        const int c0 = base + j * 4 * kThreads + 4 * t;
+        q[j] = j < live ? raw_load4(x_row, c0, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        unsigned k4[4];
+        keys4(q[j], base + j * 4 * kThreads + 4 * t, start, end, k4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) key[j * 4 + i] = k4[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < (kLoadsFirst ? 0 : kVecs); ++j) {
       const int c0 = base + j * 4 * kThreads + 4 * t;
       float f[4] = {0.f, 0.f, 0.f, 0.f};
       if (p.aligned && c0 + 4 <= end) {  // (end <= cols: inside the row)
@@ -894,30 +939,6 @@ struct StreamShared {
 };
 static_assert(sizeof(unsigned) * (2 * kStreamCandCap + kStreamMaxCols / 32) >= sizeof(unsigned) * kSoloMaxSpan,
               "a short row's keys fit the candidates' and the bitmap's space");
-
-// The float4 at column c0 (c0 % 4 == 0): one vector load when it lies inside the window of an aligned row, else
-// scalar loads of its columns inside the window (0 elsewhere). Loads only: callers convert after issuing several,
-// so that the loads are in flight together (a conversion right after each load serialises them).
-__device__ __forceinline__ float4 raw_load4(const float* x_row, int c0, int start, int end, int aligned) {
-  if (aligned && c0 >= start && c0 + 4 <= end) return __ldg(reinterpret_cast<const float4*>(x_row + c0));
-  float4 r;
-  r.x = (c0 >= start && c0 < end) ? __ldg(x_row + c0) : 0.f;
-  r.y = (c0 + 1 >= start && c0 + 1 < end) ? __ldg(x_row + c0 + 1) : 0.f;
-  r.z = (c0 + 2 >= start && c0 + 2 < end) ? __ldg(x_row + c0 + 2) : 0.f;
-  r.w = (c0 + 3 >= start && c0 + 3 < end) ? __ldg(x_row + c0 + 3) : 0.f;
-  return r;
-}
-
-__device__ __forceinline__ void keys4(const float4 q, int c0, int start, int end, unsigned (&key)[4]) {
-  const float f[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) key[i] = (c0 + i >= start && c0 + i < end) ? order_key(f[i]) : 0u;
-}
-
-__device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start, int end, int aligned,
-                                          unsigned (&key)[4]) {
-  keys4(raw_load4(x_row, c0, start, end, aligned), c0, start, end, key);
-}
 
 // Calls f(key, column) for every column of the window (key 0 for the padding of the first / last float4):
 // from the candidates (fast) or from the row in global memory.
