@@ -71,6 +71,18 @@ constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
 #define DSA_TOPK_LOADS_FIRST 0
 #endif
 constexpr bool kLoadsFirst = DSA_TOPK_LOADS_FIRST;
+// A cluster row's output offset: 1 has warp 0 read the lower peers' totals, one per lane, and share the sum through
+// shared memory (0: every thread reads every lower peer's total in turn, 512 x rank DSMEM reads per CTA).
+#ifndef DSA_TOPK_CTA_BASE_WARP
+#define DSA_TOPK_CTA_BASE_WARP 0
+#endif
+constexpr bool kCtaBaseWarp = DSA_TOPK_CTA_BASE_WARP;
+// find_bin's barriers: 1 waits once per level on the cluster (after a block barrier: this CTA's atomics), 0 twice
+// (the atomics, then the group sums).
+#ifndef DSA_TOPK_ONE_CLUSTER_BARRIER
+#define DSA_TOPK_ONE_CLUSTER_BARRIER 0
+#endif
+constexpr bool kOneClusterBarrier = DSA_TOPK_ONE_CLUSTER_BARRIER;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -101,6 +113,7 @@ struct Shared {
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
+  int cta_base;        // the lower-ranked peers' selected (DSA_TOPK_CTA_BASE_WARP: summed by warp 0)
   int n_gathered;      // gather_threshold: candidates appended so far
   unsigned thr_key;    // gather_threshold: the k-th largest (key, column)
   int thr_col;
@@ -210,19 +223,25 @@ __device__ __forceinline__ void cluster_or_block_sync(cg::cluster_group& cluster
 __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
                                          int csize, int used, int& bin, int& need, int& count) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  cluster_or_block_sync(cluster, csize);  // this level's atomics are complete in every CTA
+  // kOneClusterBarrier: the group sums alternate between two halves of s.group by the histogram's parity, so a
+  // peer may still read this level's while we write the next; `next` is cleared after the barrier, when every peer
+  // has read it (one level ago, before it arrived).
+  int* group_sums = kOneClusterBarrier ? s.group + (h == s.hist[0] ? 0 : kBins / 32) : s.group;
+  if (kOneClusterBarrier) __syncthreads();  // this CTA's atomics of this level are complete
+  else cluster_or_block_sync(cluster, csize);  // this level's atomics are complete in every CTA
   const int4 v = reinterpret_cast<const int4*>(h)[t];
   int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
   m += __shfl_xor_sync(0xffffffffu, m, 1);
   m += __shfl_xor_sync(0xffffffffu, m, 2);
   m += __shfl_xor_sync(0xffffffffu, m, 4);
-  if ((lane & 7) == 0) s.group[t >> 3] = m;
-  reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
-  cluster_or_block_sync(cluster, csize);  // every CTA's group sums are complete
+  if ((lane & 7) == 0) group_sums[t >> 3] = m;
+  if (!kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+  cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and, one barrier: its atomics) are complete
+  if (kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
   if (warp == 0) {
     int lo = 0, hi = 0;  // merged sums of groups 2 * lane and 2 * lane + 1
     if (used <= 1) {
-      const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];
+      const int2 pair = reinterpret_cast<const int2*>(group_sums)[lane];
       lo = pair.x;
       hi = pair.y;
     } else {
@@ -230,7 +249,7 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
         int2 pair[kPeerBatch];
 #pragma unroll
         for (int q = 0; q < kPeerBatch; ++q)
-          pair[q] = q0 + q < used ? reinterpret_cast<const int2*>(cluster.map_shared_rank(s.group, q0 + q))[lane]
+          pair[q] = q0 + q < used ? reinterpret_cast<const int2*>(cluster.map_shared_rank(group_sums, q0 + q))[lane]
                                   : make_int2(0, 0);
 #pragma unroll
         for (int q = 0; q < kPeerBatch; ++q) {
@@ -794,8 +813,20 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     if (csize > 1) {
       if (t == 0) s.cta_total = cta_total;
       cluster.sync();
-      for (int q = 0; q < rank; ++q) cta_base += *cluster.map_shared_rank(&s.cta_total, q);
-      cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+      if (kCtaBaseWarp) {  // lane q reads peer q's total (csize <= 16): one DSMEM round trip, 32 reads in all
+        if (warp == 0) {
+          int v = lane < rank ? *cluster.map_shared_rank(&s.cta_total, lane) : 0;
+#pragma unroll
+          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+          if (lane == 0) s.cta_base = v;
+        }
+        cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+        __syncthreads();   // cta_base
+        cta_base = s.cta_base;
+      } else {
+        for (int q = 0; q < rank; ++q) cta_base += *cluster.map_shared_rank(&s.cta_total, q);
+        cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+      }
     }
     // The positions go through shared memory (both histograms: every reader of them, peers included, is past the
     // barriers above), so the row is written coalesced: scattered 4-byte stores cost ~1 us of a CTA's store
