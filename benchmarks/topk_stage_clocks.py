@@ -4,7 +4,8 @@
 
 Each argument is a comma-separated list of defines for a build of `csrc/topk_registers.cu`; with the stage-clock probe
 on, the first CTA of a launch prints the SM cycles between the stages of its first row's select (entry, keys loaded,
-each radix level, the selection and scan, the ordered write). Each cell runs three times eagerly after a 256 MiB L2
+each radix level, the selection and scan, the ordered write; "KPT -1": a row the streaming kernel streams, whose
+stamps are entry, the sample's threshold, the pass, each radix level over the candidates, the bitmap's ordered write). Each cell runs three times eagerly after a 256 MiB L2
 flush, on real V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right
 (the probe only reads the clock).
 """
@@ -20,7 +21,8 @@ import sys
 from pathlib import Path
 
 CELLS = [(1, 8192, 8192, 2048), (32, 8192, 8192, 2048), (128, 8192, 8192, 2048), (1, 8192, 8192, 512),
-         (1, 2048, 2048, 512), (1, 32768, 32768, 512), (1, 8192, 163840, 2048)]
+         (1, 2048, 2048, 512), (1, 32768, 32768, 512), (1, 8192, 163840, 2048), (128, 32768, 32768, 512),
+         (32, 32768, 163840, 2048)]
 LINE = re.compile(r"\[(?P<variant>[^\]]*)\] B=(?P<b>\d+) L=(?P<l>\d+) W=(?P<w>\d+) k=(?P<k>\d+) rep (?P<rep>\d+): "
                   r"stage clocks KPT (?P<kpt>-?\d+) csize (?P<csize>\d+) levels (?P<levels>\d+): total (?P<total>\d+) \|"
                   r"(?P<stages>[ \d]*)")

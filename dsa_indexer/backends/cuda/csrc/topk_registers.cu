@@ -1202,6 +1202,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
+    __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
+    int n_stamps = 0;
+    stage_clock(stamps, n_stamps++);
 
     reinterpret_cast<int4*>(s.base.hist[0])[t] = make_int4(0, 0, 0, 0);
     for (int w = t; w < nwords; w += kThreads) s.bitmap[w] = 0u;
@@ -1258,6 +1261,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       m_rem = need;
       if (count == need || sshift == 0) break;
     }
+    stage_clock(stamps, n_stamps++);  // the sample's threshold (after its levels' barriers)
     unsigned threshold = sprefix << sshift;
     if (threshold == 0u) threshold = 1u;  // key 0 marks padding, never a candidate
 
@@ -1347,6 +1351,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       }
     }
     block_min_max<kThreads>(cand_lo, cand_hi, s.base);  // its barrier: the candidates are complete
+    stage_clock(stamps, n_stamps++);
     const int n_cand = s.n_cand;
     if (kProbeStreamPass) {  // a probe build: the sample and the pass only, nothing selected or written
       __syncthreads();
@@ -1369,6 +1374,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       });
       find_bin(h, s.base.hist[(level + 1) & 1], k_rem, s.base, cluster, 1, 1, bin, need, count);
+      stage_clock(stamps, n_stamps++);
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -1442,6 +1448,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       for (int j = t; j < p.k; j += kThreads) out_row[j] = s.cand_col[j];
     }
     __syncthreads();  // the bitmap, histograms and warp sums are reused by the next row
+    stage_clock(stamps, n_stamps++);
+    print_stage_clocks(stamps, n_stamps, -1, 1, level);
   }
 }
 
