@@ -83,6 +83,12 @@ constexpr bool kCtaBaseWarp = DSA_TOPK_CTA_BASE_WARP;
 #define DSA_TOPK_ONE_CLUSTER_BARRIER 0
 #endif
 constexpr bool kOneClusterBarrier = DSA_TOPK_ONE_CLUSTER_BARRIER;
+// find_bin's DSMEM reads: N > 0 has warp w read peer w's counts (all peers in one round trip, through shared memory,
+// three block barriers more) where more than N CTAs hold the row; 0: warp 0 reads them kPeerBatch peers at a time.
+#ifndef DSA_TOPK_PEERS_BY_WARP
+#define DSA_TOPK_PEERS_BY_WARP 0
+#endif
+constexpr int kPeersByWarp = DSA_TOPK_PEERS_BY_WARP;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -108,7 +114,8 @@ struct Params {
 
 struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
-  int group[2 * kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers; 128: find_bin_wide)
+  int group[2 * kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers; 128: find_bin_wide;
+                              // DSA_TOPK_ONE_CLUSTER_BARRIER: the two halves alternate by level)
   int warp_sum[kWarps];
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
@@ -117,6 +124,7 @@ struct Shared {
   int n_gathered;      // gather_threshold: candidates appended so far
   unsigned thr_key;    // gather_threshold: the k-th largest (key, column)
   int thr_col;
+  int peer_sums[kPeersByWarp > 0 ? 16 * kBins / 32 : 1];  // DSA_TOPK_PEERS_BY_WARP: the peers' group sums, then bins
 };
 
 __device__ __forceinline__ unsigned order_key(float value) {
@@ -238,9 +246,22 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
   if (!kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
   cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and, one barrier: its atomics) are complete
   if (kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+  const bool by_warp = kPeersByWarp > 0 && used > kPeersByWarp;  // uniform over the cluster
+  if (by_warp) {  // warp w: peer w's 64 group sums
+    if (warp < used)
+      reinterpret_cast<int2*>(s.peer_sums)[warp * 32 + lane] =
+          reinterpret_cast<const int2*>(cluster.map_shared_rank(group_sums, warp))[lane];
+    __syncthreads();
+  }
   if (warp == 0) {
     int lo = 0, hi = 0;  // merged sums of groups 2 * lane and 2 * lane + 1
-    if (used <= 1) {
+    if (by_warp) {
+      for (int q = 0; q < used; ++q) {
+        const int2 pair = reinterpret_cast<const int2*>(s.peer_sums)[q * 32 + lane];
+        lo += pair.x;
+        hi += pair.y;
+      }
+    } else if (used <= 1) {
       const int2 pair = reinterpret_cast<const int2*>(group_sums)[lane];
       lo = pair.x;
       hi = pair.y;
@@ -278,7 +299,12 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
     group = __shfl_sync(0xffffffffu, group, src);
     above = __shfl_sync(0xffffffffu, above, src);
     int c = 0;  // merged count of bin 32 * group + lane
-    if (used <= 1) {
+    if (by_warp) {  // the bins are read by every warp below
+      if (lane == 0) {
+        s.found[0] = group;
+        s.found[1] = above;
+      }
+    } else if (used <= 1) {
       c = h[group * 32 + lane];
     } else {
       for (int q0 = 0; q0 < used; q0 += kPeerBatch) {
@@ -290,7 +316,18 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
         for (int q = 0; q < kPeerBatch; ++q) c += part[q];
       }
     }
-    publish_crossing_bin(c, group, above, k_rem, s.found);
+    if (!by_warp) publish_crossing_bin(c, group, above, k_rem, s.found);
+  }
+  if (by_warp) {  // warp w: peer w's count of each bin of the crossing group
+    __syncthreads();  // the group is published; warp 0 has read the group sums
+    const int group = s.found[0], above = s.found[1];
+    if (warp < used) s.peer_sums[warp * 32 + lane] = cluster.map_shared_rank(h, warp)[group * 32 + lane];
+    __syncthreads();  // (every warp read found[] before warp 0 publishes below)
+    if (warp == 0) {
+      int c = 0;
+      for (int q = 0; q < used; ++q) c += s.peer_sums[q * 32 + lane];
+      publish_crossing_bin(c, group, above, k_rem, s.found);
+    }
   }
   __syncthreads();
   bin = s.found[0];
