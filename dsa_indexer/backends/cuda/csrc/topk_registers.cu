@@ -1027,18 +1027,23 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
   }
 }
 
-// ---- The shared-memory select of a short row (span <= kSoloMaxSpan), for the streaming kernel. Why not the register
-// select: there every pass over the keys is unrolled over the thread's registers (16 or 32 copies of its body), so a
-// row's select executes ~1250 instructions per warp of straight-line code met once; after an engine's other kernels
-// (or the benchmark's L2 flush) that code comes from DRAM, and Nsight Compute put two thirds of the register
-// select's stall cycles on instruction fetch (H100, 1 x 8K: 32.7K cycles cold, SGLang's select 13.0K). Here the
-// keys stay in shared memory and every pass is a loop of 4 keys per step: the same passes in a few hundred bytes of
-// code each. The row arrives by cp.async (every load of the row in flight at once, no registers held); level 0
-// is the exponent window (window_bin) fused with the conversion to keys.
+// ---- The shared-memory select of a short row (span <= kSoloMaxSpan): the keys stay in shared memory and every pass
+// is a loop of 4 keys per step, where the register select unrolls each pass over the thread's 16 or 32 registers
+// (~1250 instructions per warp of straight-line code at 1 x 8K, 15 of each 22 cycles per instruction stalled on
+// instruction fetch in Nsight Compute). The row arrives by cp.async, every load in flight at once with no registers
+// held; level 0 (the key's top 11 bits, or with DSA_TOPK_SMEM_WINDOW the exponent window) is fused with the
+// conversion to keys. At the streaming kernel's 512 threads (DSA_TOPK_SOLO_SMEM) it was no faster than the register
+// select (H100, 1 x 8K 10.6 vs 10.1 us: its loads took 2.7K cycles against 4.2-6.4K, its conversion and level 0 as
+// much more); the 1024-thread short-row kernel (DSA_TOPK_SHORT_KERNEL) runs it with half the keys per thread.
 __device__ __forceinline__ void cp_async16_zfill(const unsigned* smem, const float* gmem, int bytes) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
 }
+
+#ifndef DSA_TOPK_SMEM_WINDOW
+#define DSA_TOPK_SMEM_WINDOW 0
+#endif
+constexpr bool kSmemWindow = DSA_TOPK_SMEM_WINDOW;  // (the register select's plain top bits measured faster)
 
 template <int T, class F>
 __device__ __forceinline__ void for_each_key4(const uint4* keys4, int nvec, F&& f) {
@@ -1087,7 +1092,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       kk[i] = (c0 + i >= start && c0 + i < end) ? order_key(__uint_as_float(kk[i])) : 0u;
-      if (kk[i] != 0u) atomicAdd(&h0[window_bin(kk[i])], 1);
+      if (kk[i] != 0u) atomicAdd(&h0[kSmemWindow ? window_bin(kk[i]) : (int)(kk[i] >> (32 - kBinBits))], 1);
     }
     keys4[v] = make_uint4(kk[0], kk[1], kk[2], kk[3]);
   }
@@ -1099,7 +1104,12 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   int shift = 32;
   int k_rem = p.k;
   bool done = false, tie = false;
-  if (window_prefix(bin, prefix)) {  // uniform; else a clamp bin: the plain levels from bit 31 on the whole row
+  if (!kSmemWindow) {  // level 0 took the key's top 11 bits
+    prefix = (unsigned)bin;
+    shift = 32 - kBinBits;
+    k_rem = need;
+    done = count == need;
+  } else if (window_prefix(bin, prefix)) {  // uniform; else a clamp bin: the plain levels from bit 31 on the whole row
     shift = kWindowShift;
     k_rem = need;
     done = count == need;
