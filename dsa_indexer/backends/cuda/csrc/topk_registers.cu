@@ -178,15 +178,41 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
   return v;
 }
 
-// The stage-clock probe (DSA_TOPK_STAGE_CLOCKS): stamp `n` of this CTA's row; print_stage_clocks prints stamps
-// 1..n as cycles since the one before, once, from the first CTA of the launch.
-__device__ __forceinline__ void stage_clock(long long* stamps, int n) {
-  if (kStageClocks && threadIdx.x == 0 && n < kMaxStages) stamps[n] = clock64();
+// The stage-clock probe (DSA_TOPK_STAGE_CLOCKS): thread 0 stamps the SM clock at each stage of its CTA's first
+// selected row into shared memory (with the count, the row's facts and a done flag in the slots after the stamps),
+// and the launch's first CTA prints them when the kernel ends: nothing is held in registers across the select, and
+// printf (a call: live registers saved around it) runs after the row loop, so the 64-register kernels do not spill
+// more for the probe.
+__shared__ long long stage_stamps[kStageClocks ? kMaxStages + 5 : 1];
+constexpr int kStampCount = kMaxStages, kStampDone = kMaxStages + 1, kStampFacts = kMaxStages + 2;
+__device__ __forceinline__ void init_stage_clocks() {
+  if (kStageClocks && threadIdx.x == 0) stage_stamps[kStampDone] = 0;
 }
-__device__ __forceinline__ void print_stage_clocks(const long long* stamps, int n, int kpt, int csize, int level) {
-  if (!kStageClocks || threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0) return;
-  printf("stage clocks KPT %d csize %d levels %d: total %lld |", kpt, csize, level, stamps[n - 1] - stamps[0]);
-  for (int i = 1; i < n && i < kMaxStages; ++i) printf(" %lld", stamps[i] - stamps[i - 1]);
+__device__ __forceinline__ void stage_clock() {
+  if (!kStageClocks || threadIdx.x != 0 || stage_stamps[kStampDone] != 0) return;
+  const int n = (int)stage_stamps[kStampCount];
+  if (n < kMaxStages) stage_stamps[n] = clock64();
+  stage_stamps[kStampCount] = n + 1;
+}
+__device__ __forceinline__ void first_stage_clock() {
+  if (kStageClocks && threadIdx.x == 0) stage_stamps[kStampCount] = 0;
+  stage_clock();
+}
+__device__ __forceinline__ void last_stage_clock(int kpt, int csize, int level) {
+  stage_clock();
+  if (!kStageClocks || threadIdx.x != 0 || stage_stamps[kStampDone] != 0) return;
+  stage_stamps[kStampFacts] = kpt;
+  stage_stamps[kStampFacts + 1] = csize;
+  stage_stamps[kStampFacts + 2] = level;
+  stage_stamps[kStampDone] = 1;
+}
+__device__ __noinline__ void print_stage_clocks() {
+  if (!kStageClocks || threadIdx.x != 0 || blockIdx.x != 0 || blockIdx.y != 0 || stage_stamps[kStampDone] == 0)
+    return;
+  const int n = min((int)stage_stamps[kStampCount], kMaxStages);
+  printf("stage clocks KPT %d csize %d levels %d: total %lld |", (int)stage_stamps[kStampFacts],
+         (int)stage_stamps[kStampFacts + 1], (int)stage_stamps[kStampFacts + 2], stage_stamps[n - 1] - stage_stamps[0]);
+  for (int i = 1; i < n; ++i) printf(" %lld", stage_stamps[i] - stage_stamps[i - 1]);
   printf("\n");
 }
 
@@ -631,9 +657,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
   constexpr int kChunk = KPT * kThreads;
   constexpr int kVecs = KPT / 4;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
-  int n_stamps = 0;
-  stage_clock(stamps, n_stamps++);
+  first_stage_clock();
   {
     // Column of key [j][i]: base + j * 4 * kThreads + 4 * t + i. base is 16-byte aligned when rows are.
     const int base = (start & ~3) + rank * kChunk;
@@ -690,7 +714,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
     }
     __syncthreads();  // the cleared histogram before any atomic
-    stage_clock(stamps, n_stamps++);
+    stage_clock();
 
     // ---- radix select on the key: 11 + 11 + 10 bits, stopping when the threshold bin is taken whole. (Levels
     // from the row's highest varying bit, as the streaming kernel's, measured 1-2 us slower here: H200, 1 x 8K
@@ -717,7 +741,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin_wide(wide, k_rem, s, bin, need, count);
-      stage_clock(stamps, n_stamps++);
+      stage_clock();
       level = 2;  // the radix levels below (if any) start on hist[0], which the next find_bin leaves cleared
       if (wide_prefix(bin, prefix)) {  // uniform
         shift = kWideShift;
@@ -725,7 +749,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         done = count == need;
         if (GATHER && !done && count <= kGatherCap) {
           gather_threshold<KPT>(key, live, base, start, prefix, kWideShift, need, count, s, thr_key, thr_col);
-          stage_clock(stamps, n_stamps++);
+          stage_clock();
           gathered = done = true;
         }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
@@ -743,7 +767,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count);
-      stage_clock(stamps, n_stamps++);
+      stage_clock();
       ++level;
       if (window_prefix(bin, prefix)) {  // uniform: every CTA found the same bin
         shift = kWindowShift;
@@ -751,7 +775,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         done = count == need;
         if (GATHER && !done && count <= kGatherCap) {  // uniform: from find_bin
           gather_threshold<KPT>(key, live, base, start, prefix, kWindowShift, need, count, s, thr_key, thr_col);
-          stage_clock(stamps, n_stamps++);
+          stage_clock();
           gathered = done = true;
         }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
@@ -769,7 +793,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       }
       int bin, need, count;
       find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
-      stage_clock(stamps, n_stamps++);
+      stage_clock();
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -800,7 +824,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         }
         int bin, need, count;
         find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
-        stage_clock(stamps, n_stamps++);
+        stage_clock();
         ++level;
         prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
         shift2 = nshift;
@@ -838,7 +862,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     int incl = warp_inclusive_sum(mine);
     if (lane == 31) s.warp_sum[warp] = incl;
     __syncthreads();
-    stage_clock(stamps, n_stamps++);
+    stage_clock();
     int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -886,8 +910,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // No CTA may clear its histogram (next row) or exit while a peer may still read its shared memory; the
     // block barrier keeps warp_sum from being overwritten by the next row's scan before every warp read it.
     if (csize > 1) cluster_wait(); else __syncthreads();
-    stage_clock(stamps, n_stamps++);
-    print_stage_clocks(stamps, n_stamps, KPT, csize, level);
+    last_stage_clock(KPT, csize, level);
   }
 }
 
@@ -942,6 +965,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
   const int csize = (int)cluster.num_blocks();
   const int t = threadIdx.x;
   int solo_turn = 0;  // solo rows this cluster has met so far: the next one goes to rank solo_turn % csize
+  init_stage_clocks();
   __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
   if (p.route != 0) {
     const bool v = routed_long_rows_stream(p);  // the same in every thread
@@ -979,6 +1003,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
     registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
   }
+  print_stage_clocks();
 }
 
 // ---- The streaming kernel: one CTA per row, the row read from global memory once on the fast path. For many
@@ -1065,9 +1090,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   const int base = start & ~3;  // key i holds column base + i
   const int nvec = (end - base + 3) >> 2;  // <= kSoloMaxSpan / 4
   uint4* keys4 = reinterpret_cast<uint4*>(keys);
-  __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
-  int n_stamps = 0;
-  stage_clock(stamps, n_stamps++);
+  first_stage_clock();
   for (int v = t; v < nvec; v += T) {
     const int c0 = base + 4 * v;
     if (p.aligned) {
@@ -1081,7 +1104,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   for (int b = t; b < kBins; b += T) s.hist[0][b] = 0;
   asm volatile("cp.async.wait_group 0;\n" ::);
   __syncthreads();  // the row and the cleared histogram
-  stage_clock(stamps, n_stamps++);
+  stage_clock();
 
   // ---- keys in place (0 outside the window) and level 0: the exponent window
   int* h0 = s.hist[0];
@@ -1098,7 +1121,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   }
   int bin, need, count;
   block_find_bin<T>(h0, s.hist[1], p.k, s, bin, need, count);
-  stage_clock(stamps, n_stamps++);
+  stage_clock();
   int level = 1;
   unsigned prefix = 0u;  // the resolved high bits of the k-th key: the class is key >> shift == prefix
   int shift = 32;
@@ -1122,7 +1145,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
       if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
     });
     block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
-    stage_clock(stamps, n_stamps++);
+    stage_clock();
     ++level;
     prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
     shift = nshift;
@@ -1174,7 +1197,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   const int incl = warp_inclusive_sum(mine);
   if (lane == 31) s.warp_sum[warp] = incl;
   __syncthreads();
-  stage_clock(stamps, n_stamps++);
+  stage_clock();
   int offset = incl - mine, total = 0;
 #pragma unroll
   for (int w = 0; w < T / 32; ++w) {
@@ -1195,8 +1218,7 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
     for (int j = t; j < total; j += T) out_row[j] = dst[j];
   }
   __syncthreads();  // the keys, histograms and warp sums are reused by the next row
-  stage_clock(stamps, n_stamps++);
-  print_stage_clocks(stamps, n_stamps, -T, 1, level);
+  last_stage_clock(-T, 1, level);
 }
 
 // Off: the register select for the streaming kernel's short rows; on: smem_select_row (a define, so that a
@@ -1215,6 +1237,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
   cg::cluster_group cluster = cg::this_cluster();  // a cluster of one: find_bin uses block barriers only
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  init_stage_clocks();
 
   __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
   if (p.route != 0) {
@@ -1249,9 +1272,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
-    __shared__ long long stamps[kStageClocks ? kMaxStages : 1];  // (the stage-clock probe only)
-    int n_stamps = 0;
-    stage_clock(stamps, n_stamps++);
+    first_stage_clock();
 
     reinterpret_cast<int4*>(s.base.hist[0])[t] = make_int4(0, 0, 0, 0);
     for (int w = t; w < nwords; w += kThreads) s.bitmap[w] = 0u;
@@ -1308,7 +1329,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       m_rem = need;
       if (count == need || sshift == 0) break;
     }
-    stage_clock(stamps, n_stamps++);  // the sample's threshold (after its levels' barriers)
+    stage_clock();  // the sample's threshold (after its levels' barriers)
     unsigned threshold = sprefix << sshift;
     if (threshold == 0u) threshold = 1u;  // key 0 marks padding, never a candidate
 
@@ -1398,7 +1419,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       }
     }
     block_min_max<kThreads>(cand_lo, cand_hi, s.base);  // its barrier: the candidates are complete
-    stage_clock(stamps, n_stamps++);
+    stage_clock();
     const int n_cand = s.n_cand;
     if (kProbeStreamPass) {  // a probe build: the sample and the pass only, nothing selected or written
       __syncthreads();
@@ -1421,7 +1442,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       });
       find_bin(h, s.base.hist[(level + 1) & 1], k_rem, s.base, cluster, 1, 1, bin, need, count);
-      stage_clock(stamps, n_stamps++);
+      stage_clock();
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -1495,9 +1516,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       for (int j = t; j < p.k; j += kThreads) out_row[j] = s.cand_col[j];
     }
     __syncthreads();  // the bitmap, histograms and warp sums are reused by the next row
-    stage_clock(stamps, n_stamps++);
-    print_stage_clocks(stamps, n_stamps, -1, 1, level);
+    last_stage_clock(-1, 1, level);
   }
+  print_stage_clocks();
 }
 
 cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
@@ -1540,6 +1561,7 @@ __global__ void __launch_bounds__(T, 1) topk_short_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char short_smem[];
   ShortShared<T>& s = *reinterpret_cast<ShortShared<T>*>(short_smem);
   unsigned* keys = reinterpret_cast<unsigned*>(short_smem + kShortKeysOffset);
+  init_stage_clocks();
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
@@ -1552,6 +1574,7 @@ __global__ void __launch_bounds__(T, 1) topk_short_kernel(Params p) {
     }
     smem_select_row<T>(p, p.x + (long long)row * p.x_stride, start, end, req, out_row, s, keys);
   }
+  print_stage_clocks();
 }
 
 cudaError_t launch_short(const Params& p, int grid, cudaStream_t stream) {
