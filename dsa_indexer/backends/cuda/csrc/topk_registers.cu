@@ -1072,6 +1072,7 @@ constexpr bool kSmemWindow = DSA_TOPK_SMEM_WINDOW;  // (the register select's pl
 
 template <int T, class F>
 __device__ __forceinline__ void for_each_key4(const uint4* keys4, int nvec, F&& f) {
+#pragma unroll 2  // two shared-memory loads in flight per thread
   for (int v = (int)threadIdx.x, j = 0; v < nvec; v += T, ++j) {
     const uint4 q = keys4[v];
     f(q.x, 4 * v, 4 * j);
@@ -1106,8 +1107,9 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   __syncthreads();  // the row and the cleared histogram
   stage_clock();
 
-  // ---- keys in place (0 outside the window) and level 0: the exponent window
+  // ---- keys in place (0 outside the window) and level 0 (the top 11 bits, or the exponent window)
   int* h0 = s.hist[0];
+#pragma unroll 2  // two shared-memory loads in flight per thread
   for (int v = t; v < nvec; v += T) {
     const uint4 raw = keys4[v];
     unsigned kk[4] = {raw.x, raw.y, raw.z, raw.w};
