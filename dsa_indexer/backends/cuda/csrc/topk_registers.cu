@@ -687,30 +687,31 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 #pragma unroll
         for (int i = 0; i < 4; ++i) key[j * 4 + i] = k4[i];
       }
-    }
+    } else {
 #pragma unroll
-    for (int j = 0; j < (kLoadsFirst ? 0 : kVecs); ++j) {
-      const int c0 = base + j * 4 * kThreads + 4 * t;
-      float f[4] = {0.f, 0.f, 0.f, 0.f};
-      if (p.aligned && c0 + 4 <= end) {  // (end <= cols: inside the row)
-        if (c0 >= start) {
-          const float4 q = __ldg(reinterpret_cast<const float4*>(x_row + c0));
-          f[0] = q.x;
-          f[1] = q.y;
-          f[2] = q.z;
-          f[3] = q.w;
-        } else {
+      for (int j = 0; j < kVecs; ++j) {
+        const int c0 = base + j * 4 * kThreads + 4 * t;
+        float f[4] = {0.f, 0.f, 0.f, 0.f};
+        if (p.aligned && c0 + 4 <= end) {  // (end <= cols: inside the row)
+          if (c0 >= start) {
+            const float4 q = __ldg(reinterpret_cast<const float4*>(x_row + c0));
+            f[0] = q.x;
+            f[1] = q.y;
+            f[2] = q.z;
+            f[3] = q.w;
+          } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) f[i] = c0 + i >= start ? __ldg(x_row + c0 + i) : 0.f;
+            for (int i = 0; i < 4; ++i) f[i] = c0 + i >= start ? __ldg(x_row + c0 + i) : 0.f;
+          }
+        } else if (c0 < end) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) f[i] = (c0 + i >= start && c0 + i < end) ? __ldg(x_row + c0 + i) : 0.f;
         }
-      } else if (c0 < end) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) f[i] = (c0 + i >= start && c0 + i < end) ? __ldg(x_row + c0 + i) : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int c = c0 + i;
-        key[j * 4 + i] = (c >= start && c < end) ? order_key(f[i]) : 0u;
+        for (int i = 0; i < 4; ++i) {
+          const int c = c0 + i;
+          key[j * 4 + i] = (c >= start && c < end) ? order_key(f[i]) : 0u;
+        }
       }
     }
     __syncthreads();  // the cleared histogram before any atomic
@@ -1026,12 +1027,10 @@ constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
 struct StreamShared {
   Shared base;
   int n_cand;
-  alignas(16) unsigned cand_key[kStreamCandCap];  // (with cand_col and bitmap: a short row's keys, smem_select_row)
+  unsigned cand_key[kStreamCandCap];
   int cand_col[kStreamCandCap];
   unsigned bitmap[kStreamMaxCols / 32];
 };
-static_assert(sizeof(unsigned) * (2 * kStreamCandCap + kStreamMaxCols / 32) >= sizeof(unsigned) * kSoloMaxSpan,
-              "a short row's keys fit the candidates' and the bitmap's space");
 
 // Calls f(key, column) for every column of the window (key 0 for the padding of the first / last float4):
 // from the candidates (fast) or from the row in global memory.
@@ -1057,9 +1056,10 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
 // (~1250 instructions per warp of straight-line code at 1 x 8K, 15 of each 22 cycles per instruction stalled on
 // instruction fetch in Nsight Compute). The row arrives by cp.async, every load in flight at once with no registers
 // held; level 0 (the key's top 11 bits, or with DSA_TOPK_SMEM_WINDOW the exponent window) is fused with the
-// conversion to keys. At the streaming kernel's 512 threads (DSA_TOPK_SOLO_SMEM) it was no faster than the register
-// select (H100, 1 x 8K 10.6 vs 10.1 us: its loads took 2.7K cycles against 4.2-6.4K, its conversion and level 0 as
-// much more); the 1024-thread short-row kernel (DSA_TOPK_SHORT_KERNEL) runs it with half the keys per thread.
+// conversion to keys. Run by the streaming kernel's 512 threads it was no faster than the register select (H100,
+// 1 x 8K 10.6 vs 10.1 us, topk_solo_smem_s14_h100.json: its loads took 2.7K cycles against 4.2-6.4K, its conversion
+// and level 0 as much more), and that hook is gone; the 1024-thread short-row kernel (DSA_TOPK_SHORT_KERNEL) runs it
+// with half the keys per thread.
 __device__ __forceinline__ void cp_async16_zfill(const unsigned* smem, const float* gmem, int bytes) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
@@ -1223,17 +1223,6 @@ __device__ __forceinline__ void smem_select_row(const Params& p, const float* x_
   last_stage_clock(-T, 1, level);
 }
 
-// Off: the register select for the streaming kernel's short rows; on: smem_select_row (a define, so that a
-// benchmark build can compare both).
-#ifndef DSA_TOPK_SOLO_SMEM
-#define DSA_TOPK_SOLO_SMEM 0
-#endif
-constexpr bool kSoloSmem = DSA_TOPK_SOLO_SMEM;
-#ifndef DSA_TOPK_STREAM_SHORT_SMEM
-#define DSA_TOPK_STREAM_SHORT_SMEM 0
-#endif
-constexpr bool kStreamShortSmem = DSA_TOPK_STREAM_SHORT_SMEM;
-
 __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
@@ -1265,10 +1254,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     }
     const float* x_row = p.x + (long long)row * p.x_stride;
     if (end - (start & ~3) <= kSoloMaxSpan) {  // a short row (a padded launch's width is no guide): in registers
-      if (kSoloSmem)
-        smem_select_row<kThreads>(p, x_row, start, end, req, out_row, s.base, s.cand_key);
-      else
-        registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
+      registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
       continue;
     }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
@@ -1531,10 +1517,7 @@ cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     configured = true;
   }
-  // A launch whose rows are all short (its width fits one CTA's registers) uses s.base only: it asks for that much
-  // shared memory, not the candidates' and bitmap's ~80 KB more (a probe of whether the larger carveout costs).
-  const bool short_rows_only = kStreamShortSmem && !kSoloSmem && p.cols <= kSoloMaxSpan;
-  topk_stream_kernel<<<grid, kThreads, short_rows_only ? sizeof(Shared) : sizeof(StreamShared), stream>>>(p);
+  topk_stream_kernel<<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
   return cudaSuccess;
 }
 
