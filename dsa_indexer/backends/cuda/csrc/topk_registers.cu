@@ -65,30 +65,11 @@ constexpr bool kProbeStreamPass = DSA_TOPK_PROBE_STREAM_PASS;
 #define DSA_TOPK_STAGE_CLOCKS 0
 #endif
 constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
-// The register select's loads: 1 issues every float4 of the thread's keys before converting any (0: each group is
-// converted right after its load, in one loop).
-#ifndef DSA_TOPK_LOADS_FIRST
-#define DSA_TOPK_LOADS_FIRST 0
-#endif
-constexpr bool kLoadsFirst = DSA_TOPK_LOADS_FIRST;
-// A cluster row's output offset: 1 has warp 0 read the lower peers' totals, one per lane, and share the sum through
-// shared memory (0: every thread reads every lower peer's total in turn, 512 x rank DSMEM reads per CTA).
-#ifndef DSA_TOPK_CTA_BASE_WARP
-#define DSA_TOPK_CTA_BASE_WARP 0
-#endif
-constexpr bool kCtaBaseWarp = DSA_TOPK_CTA_BASE_WARP;
-// find_bin's barriers: 1 waits once per level on the cluster (after a block barrier: this CTA's atomics), 0 twice
-// (the atomics, then the group sums).
-#ifndef DSA_TOPK_ONE_CLUSTER_BARRIER
-#define DSA_TOPK_ONE_CLUSTER_BARRIER 0
-#endif
-constexpr bool kOneClusterBarrier = DSA_TOPK_ONE_CLUSTER_BARRIER;
-// find_bin's DSMEM reads: N > 0 has warp w read peer w's counts (all peers in one round trip, through shared memory,
-// three block barriers more) where more than N CTAs hold the row; 0: warp 0 reads them kPeerBatch peers at a time.
-#ifndef DSA_TOPK_PEERS_BY_WARP
-#define DSA_TOPK_PEERS_BY_WARP 0
-#endif
-constexpr int kPeersByWarp = DSA_TOPK_PEERS_BY_WARP;
+// find_bin reads the peers' counts one peer per warp (all in one DSMEM round trip, through shared memory) where more
+// than this many CTAs hold the row; below, warp 0 reads them kPeerBatch peers at a time. With one cluster barrier per
+// level and warp 0 alone reading the lower peers' totals for the output offset, this cut the cluster rows by up to
+// 1.1 us (H200, topk_variants_s15_h200.json: 1 x 32K 11.8 -> 10.8, 1 x 128K 14.6 -> 13.5, V4 1 x 32K 11.9 -> 10.8).
+constexpr int kPeersByWarpFrom = 4;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -114,17 +95,17 @@ struct Params {
 
 struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
-  int group[2 * kBins / 32];  // this level's sums of 32 consecutive bins (read by the peers; 128: find_bin_wide;
-                              // DSA_TOPK_ONE_CLUSTER_BARRIER: the two halves alternate by level)
+  int group[2 * kBins / 32];  // a level's sums of 32 consecutive bins (read by the peers): the two halves alternate
+                              // by level (find_bin); all 128 for find_bin_wide
   int warp_sum[kWarps];
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
-  int cta_base;        // the lower-ranked peers' selected (DSA_TOPK_CTA_BASE_WARP: summed by warp 0)
+  int cta_base;        // the lower-ranked peers' selected (summed by warp 0)
   int n_gathered;      // gather_threshold: candidates appended so far
   unsigned thr_key;    // gather_threshold: the k-th largest (key, column)
   int thr_col;
-  int peer_sums[kPeersByWarp > 0 ? 16 * kBins / 32 : 1];  // DSA_TOPK_PEERS_BY_WARP: the peers' group sums, then bins
+  int peer_sums[16 * kBins / 32];  // find_bin past kPeersByWarpFrom CTAs: the peers' group sums, then bins
 };
 
 __device__ __forceinline__ unsigned order_key(float value) {
@@ -244,35 +225,34 @@ __device__ __forceinline__ void publish_crossing_bin(int c, int group, int above
 // (which cost ~1 us per MB moved: 64 KB per CTA per level at 8 CTAs): each CTA sums its bins in 64 groups of
 // 32; warp 0 merges the peers' group sums, finds the group holding the crossing, then merges and scans only that
 // group's 32 bins. `next` (the other buffer) is cleared on the way: every peer finished reading it one level ago,
-// before this level's first barrier. Barriers: the cluster's (or the block's) twice, the block's once.
+// before this level's cluster barrier. Barriers: the cluster's (or the block's) once, the block's twice (three more
+// where more than kPeersByWarpFrom CTAs hold the row: every warp reads a peer).
 __device__ __forceinline__ void cluster_or_block_sync(cg::cluster_group& cluster, int csize) {
   if (csize > 1) cluster.sync(); else __syncthreads();
 }
 
 // `used`: the CTAs 0..used-1 of the cluster whose histograms can be non-zero (the ones holding columns of the row;
 // a row shorter than the launch's cluster leaves the others empty, or they have left: see topk_registers_kernel).
-// The peers' counts are read kPeerBatch at a time, so their DSMEM round trips overlap (a loop that waits for each
-// peer in turn pays one round trip per peer and stage: H200, 1 x 128K on 16 CTAs 15.5 -> 14.2 us, 32 rows of 32K
-// in a 10-CTA cluster sized for a 163840 width 35.3 -> 22.9 with the early exit).
+// Up to kPeersByWarpFrom peers, warp 0 reads their counts kPeerBatch at a time, so their DSMEM round trips overlap
+// (a loop that waits for each peer in turn pays one round trip per peer and stage: H200, 1 x 128K on 16 CTAs 15.5
+// -> 14.2 us, 32 rows of 32K in a 10-CTA cluster sized for a 163840 width 35.3 -> 22.9 with the early exit).
 __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
                                          int csize, int used, int& bin, int& need, int& count) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  // kOneClusterBarrier: the group sums alternate between two halves of s.group by the histogram's parity, so a
-  // peer may still read this level's while we write the next; `next` is cleared after the barrier, when every peer
-  // has read it (one level ago, before it arrived).
-  int* group_sums = kOneClusterBarrier ? s.group + (h == s.hist[0] ? 0 : kBins / 32) : s.group;
-  if (kOneClusterBarrier) __syncthreads();  // this CTA's atomics of this level are complete
-  else cluster_or_block_sync(cluster, csize);  // this level's atomics are complete in every CTA
+  // One cluster barrier per level: the group sums alternate between two halves of s.group by the histogram's
+  // parity, so a peer may still read the previous level's while we write this one's; `next` is cleared after the
+  // barrier, when every peer has read it (one level ago, before it arrived).
+  int* group_sums = s.group + (h == s.hist[0] ? 0 : kBins / 32);
+  __syncthreads();  // this CTA's atomics of this level are complete
   const int4 v = reinterpret_cast<const int4*>(h)[t];
   int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
   m += __shfl_xor_sync(0xffffffffu, m, 1);
   m += __shfl_xor_sync(0xffffffffu, m, 2);
   m += __shfl_xor_sync(0xffffffffu, m, 4);
   if ((lane & 7) == 0) group_sums[t >> 3] = m;
-  if (!kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
-  cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and, one barrier: its atomics) are complete
-  if (kOneClusterBarrier) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
-  const bool by_warp = kPeersByWarp > 0 && used > kPeersByWarp;  // uniform over the cluster
+  cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and so its atomics) are complete
+  reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+  const bool by_warp = used > kPeersByWarpFrom;  // uniform over the cluster
   if (by_warp) {  // warp w: peer w's 64 group sums
     if (warp < used)
       reinterpret_cast<int2*>(s.peer_sums)[warp * 32 + lane] =
@@ -673,7 +653,11 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     if (GATHER && t == 0) s.n_gathered = 0;
 
     unsigned key[KPT];
-    if (kLoadsFirst) {  // every load of the row issued before the first conversion waits for one
+    // A solo row issues every load of its keys before converting any: 0.3-1.0 us less (H200,
+    // topk_variants_s15_h200.json: 1 / 32 / 128 x 8K 10.2 / 11.4 / 12.8 -> 9.9 / 10.9 / 12.2, 8K rows in a
+    // 163840 width 12.4 / 12.0 -> 11.4 / 11.3). Cluster rows convert each group right after its load: loads first
+    // cost them up to 1.4 us where two CTAs share each SM (128 x 32K 25.5 -> 26.9).
+    if (csize == 1) {
       float4 q[kVecs];
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
@@ -687,7 +671,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 #pragma unroll
         for (int i = 0; i < 4; ++i) key[j * 4 + i] = k4[i];
       }
-    } else {
+    } else {  // each group converted right after its load
 #pragma unroll
       for (int j = 0; j < kVecs; ++j) {
         const int c0 = base + j * 4 * kThreads + 4 * t;
@@ -875,20 +859,15 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     if (csize > 1) {
       if (t == 0) s.cta_total = cta_total;
       cluster.sync();
-      if (kCtaBaseWarp) {  // lane q reads peer q's total (csize <= 16): one DSMEM round trip, 32 reads in all
-        if (warp == 0) {
-          int v = lane < rank ? *cluster.map_shared_rank(&s.cta_total, lane) : 0;
+      if (warp == 0) {  // lane q reads peer q's total (csize <= 16): one DSMEM round trip, 32 reads in all
+        int v = lane < rank ? *cluster.map_shared_rank(&s.cta_total, lane) : 0;
 #pragma unroll
-          for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-          if (lane == 0) s.cta_base = v;
-        }
-        cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
-        __syncthreads();   // cta_base
-        cta_base = s.cta_base;
-      } else {
-        for (int q = 0; q < rank; ++q) cta_base += *cluster.map_shared_rank(&s.cta_total, q);
-        cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) s.cta_base = v;
       }
+      cluster_arrive();  // this CTA read its peers' shared memory for the last time in this row
+      __syncthreads();   // cta_base
+      cta_base = s.cta_base;
     }
     // The positions go through shared memory (both histograms: every reader of them, peers included, is past the
     // barriers above), so the row is written coalesced: scattered 4-byte stores cost ~1 us of a CTA's store
@@ -952,6 +931,15 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
   }
 }
 
+// A variant (1; benchmarks compare it): in the 32-keys-per-thread kernel (launched for widths past 16 x 8K, i.e.
+// logits padded to max_model_len), a cluster row that 16 keys per thread hold over the cluster is selected at 16, on
+// twice as many CTAs, as the launch for its own width would (padded 32 x 32K in 163840: 22.4 us, the 4 x 16 launch
+// of the 32K width 17.2; H200, topk_variants_s15_h200.json).
+#ifndef DSA_TOPK_ROW_KPT
+#define DSA_TOPK_ROW_KPT 0
+#endif
+constexpr bool kRowKpt = DSA_TOPK_ROW_KPT;
+
 // Rows are routed by their own window, not by the launch's width (engines pass logits padded to max_model_len, so
 // the width says nothing of the rows): a row whose window one CTA holds is a "solo" row, taken by one CTA of the
 // cluster alone (the cluster's solo rows go to its ranks in turn, so a cluster runs up to csize of them side by
@@ -990,19 +978,24 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
       continue;
     }
     const float* x_row = p.x + (long long)row * p.x_stride;
-    const bool solo = csize > 1 && end - (start & ~3) <= kChunk;
+    const int span = end - (start & ~3);
+    const bool solo = csize > 1 && span <= kChunk;
+    const bool half = kRowKpt && KPT == 32 && !solo && span <= csize * 16 * kThreads;  // uniform
     if (solo) {
       const bool mine = solo_turn % csize == rank;
       ++solo_turn;
       if (!mine) continue;
-    } else if (rank * kChunk >= end - (start & ~3) && row + (int)gridDim.y >= p.rows) {
+    } else if (rank * (half ? 16 * kThreads : kChunk) >= span && row + (int)gridDim.y >= p.rows) {
       // This CTA holds no column of its last row (a row shorter than the launch's cluster, which is sized from the
       // padded width): it leaves now and frees its SM slot. The peers' cluster barriers count an exited thread as
       // arrived (PTX `exit`), and no peer reads its shared memory (find_bin reads the `used` CTAs only).
       return;
     }
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
-    registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
+    if (half)
+      registers_select_row<(KPT == 32 ? 16 : KPT)>(p, x_row, start, end, req, out_row, rank, csize, cluster, s);
+    else
+      registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
   }
   print_stage_clocks();
 }
@@ -1049,178 +1042,6 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
       for (int i = 0; i < 4; ++i) f(key[i], c0 + i);
     }
   }
-}
-
-// ---- The shared-memory select of a short row (span <= kSoloMaxSpan): the keys stay in shared memory and every pass
-// is a loop of 4 keys per step, where the register select unrolls each pass over the thread's 16 or 32 registers
-// (~1250 instructions per warp of straight-line code at 1 x 8K, 15 of each 22 cycles per instruction stalled on
-// instruction fetch in Nsight Compute). The row arrives by cp.async, every load in flight at once with no registers
-// held; level 0 (the key's top 11 bits, or with DSA_TOPK_SMEM_WINDOW the exponent window) is fused with the
-// conversion to keys. Run by the streaming kernel's 512 threads it was no faster than the register select (H100,
-// 1 x 8K 10.6 vs 10.1 us, topk_solo_smem_s14_h100.json: its loads took 2.7K cycles against 4.2-6.4K, its conversion
-// and level 0 as much more), and that hook is gone; the 1024-thread short-row kernel (DSA_TOPK_SHORT_KERNEL) runs it
-// with half the keys per thread.
-__device__ __forceinline__ void cp_async16_zfill(const unsigned* smem, const float* gmem, int bytes) {
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-
-#ifndef DSA_TOPK_SMEM_WINDOW
-#define DSA_TOPK_SMEM_WINDOW 0
-#endif
-constexpr bool kSmemWindow = DSA_TOPK_SMEM_WINDOW;  // (the register select's plain top bits measured faster)
-
-template <int T, class F>
-__device__ __forceinline__ void for_each_key4(const uint4* keys4, int nvec, F&& f) {
-#pragma unroll 2  // two shared-memory loads in flight per thread
-  for (int v = (int)threadIdx.x, j = 0; v < nvec; v += T, ++j) {
-    const uint4 q = keys4[v];
-    f(q.x, 4 * v, 4 * j);
-    f(q.y, 4 * v + 1, 4 * j + 1);
-    f(q.z, 4 * v + 2, 4 * j + 2);
-    f(q.w, 4 * v + 3, 4 * j + 3);
-  }
-}
-
-// T threads; S: a shared struct with hist[2][kBins], group, warp_sum[T / 32], found (block_find_bin).
-template <int T, class S>
-__device__ __forceinline__ void smem_select_row(const Params& p, const float* x_row, int start, int end, int req,
-                                                int* out_row, S& s, unsigned* keys) {
-  static_assert(kSoloMaxSpan / 4 / T <= 8, "a thread's selected keys fit one 32-bit mask");
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int base = start & ~3;  // key i holds column base + i
-  const int nvec = (end - base + 3) >> 2;  // <= kSoloMaxSpan / 4
-  uint4* keys4 = reinterpret_cast<uint4*>(keys);
-  first_stage_clock();
-  for (int v = t; v < nvec; v += T) {
-    const int c0 = base + 4 * v;
-    if (p.aligned) {
-      cp_async16_zfill(keys + 4 * v, x_row + c0, 4 * min(4, end - c0));  // (c0 < end: v < nvec)
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) keys[4 * v + i] = c0 + i < end ? __float_as_uint(__ldg(x_row + c0 + i)) : 0u;
-    }
-  }
-  asm volatile("cp.async.commit_group;\n" ::);
-  for (int b = t; b < kBins; b += T) s.hist[0][b] = 0;
-  asm volatile("cp.async.wait_group 0;\n" ::);
-  __syncthreads();  // the row and the cleared histogram
-  stage_clock();
-
-  // ---- keys in place (0 outside the window) and level 0 (the top 11 bits, or the exponent window)
-  int* h0 = s.hist[0];
-#pragma unroll 2  // two shared-memory loads in flight per thread
-  for (int v = t; v < nvec; v += T) {
-    const uint4 raw = keys4[v];
-    unsigned kk[4] = {raw.x, raw.y, raw.z, raw.w};
-    const int c0 = base + 4 * v;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      kk[i] = (c0 + i >= start && c0 + i < end) ? order_key(__uint_as_float(kk[i])) : 0u;
-      if (kk[i] != 0u) atomicAdd(&h0[kSmemWindow ? window_bin(kk[i]) : (int)(kk[i] >> (32 - kBinBits))], 1);
-    }
-    keys4[v] = make_uint4(kk[0], kk[1], kk[2], kk[3]);
-  }
-  int bin, need, count;
-  block_find_bin<T>(h0, s.hist[1], p.k, s, bin, need, count);
-  stage_clock();
-  int level = 1;
-  unsigned prefix = 0u;  // the resolved high bits of the k-th key: the class is key >> shift == prefix
-  int shift = 32;
-  int k_rem = p.k;
-  bool done = false, tie = false;
-  if (!kSmemWindow) {  // level 0 took the key's top 11 bits
-    prefix = (unsigned)bin;
-    shift = 32 - kBinBits;
-    k_rem = need;
-    done = count == need;
-  } else if (window_prefix(bin, prefix)) {  // uniform; else a clamp bin: the plain levels from bit 31 on the whole row
-    shift = kWindowShift;
-    k_rem = need;
-    done = count == need;
-  }
-  while (!done) {
-    const int nshift = shift > kBinBits ? shift - kBinBits : 0;
-    const unsigned digit_mask = (1u << (shift - nshift)) - 1u;
-    int* h = s.hist[level & 1];
-    for_each_key4<T>(keys4, nvec, [&](unsigned kk, int, int) {
-      if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
-    });
-    block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
-    stage_clock();
-    ++level;
-    prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
-    shift = nshift;
-    k_rem = need;
-    if (count == need) break;  // the whole bin is taken
-    if (shift == 0) {
-      tie = true;
-      break;
-    }
-  }
-  // ---- ties: among keys equal to `prefix`, the k_rem lowest columns (key2 = ~column, larger = lower column)
-  unsigned prefix2 = 0u;
-  int shift2 = kColBits;
-  if (tie) {
-    while (true) {
-      const int nshift = shift2 > kBinBits ? shift2 - kBinBits : 0;
-      const unsigned digit_mask = (1u << (shift2 - nshift)) - 1u;
-      int* h = s.hist[level & 1];
-      for_each_key4<T>(keys4, nvec, [&](unsigned kk, int i, int) {
-        if (kk != prefix) return;
-        const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(base + i - start);
-        if (shift2 >= kColBits || (k2 >> shift2) == prefix2) atomicAdd(&h[(k2 >> nshift) & digit_mask], 1);
-      });
-      block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
-      ++level;
-      prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
-      shift2 = nshift;
-      k_rem = need;
-      if (count == need) break;  // columns are distinct: at the latest when shift2 reaches 0
-    }
-  }
-  // ---- selection (bit 4 j + i: key i of the thread's j-th float4) and the ordered write, as registers_select_row
-  unsigned selected = 0u;
-  for_each_key4<T>(keys4, nvec, [&](unsigned kk, int i, int bit) {
-    if (kk == 0u) return;
-    const unsigned cls = kk >> shift;
-    bool sel = cls > prefix;
-    if (cls == prefix) {
-      if (!tie) {
-        sel = true;
-      } else {
-        const unsigned k2 = ((1u << kColBits) - 1u) - (unsigned)(base + i - start);
-        sel = (k2 >> shift2) >= prefix2;
-      }
-    }
-    selected |= sel ? (1u << bit) : 0u;
-  });
-  const int mine = __popc(selected);
-  const int incl = warp_inclusive_sum(mine);
-  if (lane == 31) s.warp_sum[warp] = incl;
-  __syncthreads();
-  stage_clock();
-  int offset = incl - mine, total = 0;
-#pragma unroll
-  for (int w = 0; w < T / 32; ++w) {
-    const int n = s.warp_sum[w];
-    offset += w < warp ? n : 0;
-    total += n;
-  }
-  const bool staged = p.k <= 2 * kBins;  // uniform; both histograms are read (the barrier above)
-  int* dst = staged ? &s.hist[0][0] : out_row;
-  while (selected != 0u) {
-    const int bit = __ffs(selected) - 1;
-    selected &= selected - 1u;
-    const int c = base + 4 * (t + (bit >> 2) * T) + (bit & 3);
-    dst[offset++] = out_value(c - start, req, p);
-  }
-  if (staged) {
-    __syncthreads();
-    for (int j = t; j < total; j += T) out_row[j] = dst[j];
-  }
-  __syncthreads();  // the keys, histograms and warp sums are reused by the next row
-  last_stage_clock(-T, 1, level);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
@@ -1518,61 +1339,6 @@ cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
     configured = true;
   }
   topk_stream_kernel<<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
-  return cudaSuccess;
-}
-
-// ---- The short-row kernel (DSA_TOPK_SHORT_KERNEL): a launch whose width fits one CTA (<= kSoloMaxSpan columns)
-// runs smem_select_row with 1024 threads, one CTA per row: half the instructions per warp of the streaming kernel's
-// 512 (its select is latency-bound: each warp's chain of dependent instructions, not the SM's issue rate, sets
-// the time), at <= 64 registers. Shared memory: ShortShared, then the row's keys.
-#ifndef DSA_TOPK_SHORT_KERNEL
-#define DSA_TOPK_SHORT_KERNEL 0
-#endif
-constexpr bool kShortKernel = DSA_TOPK_SHORT_KERNEL;
-constexpr int kShortThreads = 1024;
-
-template <int T>
-struct ShortShared {
-  int hist[2][kBins];
-  int group[kBins / 32];
-  int warp_sum[T / 32];
-  int found[3];
-};
-
-constexpr int kShortKeysOffset = (int)((sizeof(ShortShared<kShortThreads>) + 15) / 16 * 16);  // keys 16-byte aligned
-
-template <int T>
-__global__ void __launch_bounds__(T, 1) topk_short_kernel(Params p) {
-  extern __shared__ __align__(16) unsigned char short_smem[];
-  ShortShared<T>& s = *reinterpret_cast<ShortShared<T>*>(short_smem);
-  unsigned* keys = reinterpret_cast<unsigned*>(short_smem + kShortKeysOffset);
-  init_stage_clocks();
-  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const int end = p.ends[row];
-    const int start = p.starts != nullptr ? p.starts[row] : 0;
-    const int req = p.row_request != nullptr ? p.row_request[row] : row;
-    int* out_row = p.out + (long long)row * p.k;
-    const int width = end - start;
-    if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
-      for (int j = threadIdx.x; j < p.k; j += T) out_row[j] = out_value(j < width ? j : -1, req, p);
-      continue;
-    }
-    smem_select_row<T>(p, p.x + (long long)row * p.x_stride, start, end, req, out_row, s, keys);
-  }
-  print_stage_clocks();
-}
-
-cudaError_t launch_short(const Params& p, int grid, cudaStream_t stream) {
-  const int smem = kShortKeysOffset + 16 * ((p.cols + 3) / 4 + 1);
-  static bool configured = false;  // host work once: the >48 KB dynamic shared memory opt-in
-  if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(topk_short_kernel<kShortThreads>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 kShortKeysOffset + 16 * (kSoloMaxSpan / 4 + 1));
-    if (err != cudaSuccess) return err;
-    configured = true;
-  }
-  topk_short_kernel<kShortThreads><<<grid, kShortThreads, smem, stream>>>(p);
   return cudaSuccess;
 }
 
@@ -2058,8 +1824,7 @@ int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int col
                            int* out, int grid, int aligned, void* stream) {
   if (cols > kStreamMaxCols || grid < 1) return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
-  const cudaError_t err = kShortKernel && cols <= kSoloMaxSpan ? launch_short(p, grid, (cudaStream_t)stream)
-                                                               : launch_stream(p, grid, (cudaStream_t)stream);
+  const cudaError_t err = launch_stream(p, grid, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
