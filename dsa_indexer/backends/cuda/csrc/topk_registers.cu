@@ -96,15 +96,12 @@ struct Params {
 struct Shared {
   int hist[2][kBins];  // alternating per level, so a peer may still read the previous level's while we clear
   int group[2 * kBins / 32];  // a level's sums of 32 consecutive bins (read by the peers): the two halves alternate
-                              // by level (find_bin); all 128 for find_bin_wide
+                              // by level (find_bin)
   int warp_sum[kWarps];
   unsigned min_max[2][kWarps];  // per-warp min / max of a key set (block_min_max)
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
   int cta_base;        // the lower-ranked peers' selected (summed by warp 0)
-  int n_gathered;      // gather_threshold: candidates appended so far
-  unsigned thr_key;    // gather_threshold: the k-th largest (key, column)
-  int thr_col;
   int peer_sums[16 * kBins / 32];  // find_bin past kPeersByWarpFrom CTAs: the peers' group sums, then bins
 };
 
@@ -381,10 +378,7 @@ __device__ __forceinline__ void radix_start(unsigned lo, unsigned hi, int& shift
 constexpr int kWindowLowExp = 112;  // biased fp32 exponent of 2^-15
 
 // The window with M mantissa bits: 2^(M + 6) bins (two sides of 31 exponents x 2^M steps and two clamp bins each).
-// window_bin / window_prefix: M = 5, one histogram of 2048 bins, 14-bit prefixes at shift 18. wide_bin / wide_prefix
-// (DSA_TOPK_SOLO_GATHER 2): M = 6, 64 bins an octave (as fine as a 12-bit fp16 key) over both histograms as one of
-// 4096, so that a solo row's threshold bin holds about half the keys for gather_threshold to rank; 15-bit prefixes at
-// shift 17.
+// window_bin / window_prefix: M = 5, one histogram of 2048 bins, 14-bit prefixes at shift 18.
 template <int M>
 struct ExponentWindow {
   static constexpr int kShift = 23 - M;               // key >> kShift: sign, 8 exponent bits, M mantissa bits
@@ -419,58 +413,10 @@ struct ExponentWindow {
   }
 };
 using Window = ExponentWindow<5>;
-using WideWindow = ExponentWindow<6>;
-static_assert(Window::kBinCount == kBins && WideWindow::kBinCount == 2 * kBins, "one histogram; both as one");
+static_assert(Window::kBinCount == kBins, "one histogram");
 constexpr int kWindowShift = Window::kShift;
-constexpr int kWideShift = WideWindow::kShift;
 __device__ __forceinline__ int window_bin(unsigned key) { return Window::bin(key); }
 __device__ __forceinline__ bool window_prefix(int bin, unsigned& prefix) { return Window::prefix_of(bin, prefix); }
-__device__ __forceinline__ int wide_bin(unsigned key) { return WideWindow::bin(key); }
-__device__ __forceinline__ bool wide_prefix(int bin, unsigned& prefix) { return WideWindow::prefix_of(bin, prefix); }
-
-// find_bin for one CTA over the 4096 bins of both histograms (`wide`): the same two stages, 128 groups of 32 bins
-// (four per lane of warp 0). Nothing is cleared: the caller clears what its next level uses.
-__device__ __forceinline__ void find_bin_wide(const int* wide, int k_rem, Shared& s, int& bin, int& need,
-                                              int& count) {
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  __syncthreads();  // this level's atomics are complete
-  const int4 a = reinterpret_cast<const int4*>(wide)[2 * t];
-  const int4 b = reinterpret_cast<const int4*>(wide)[2 * t + 1];
-  int m = a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;  // bins 8t..8t+7; 4 consecutive threads hold a group
-  m += __shfl_xor_sync(0xffffffffu, m, 1);
-  m += __shfl_xor_sync(0xffffffffu, m, 2);
-  if ((lane & 3) == 0) s.group[t >> 2] = m;
-  __syncthreads();
-  if (warp == 0) {
-    const int4 g = reinterpret_cast<const int4*>(s.group)[lane];  // groups 4 lane .. 4 lane + 3
-    const int sums[4] = {g.x, g.y, g.z, g.w};
-    const int lane_sum = g.x + g.y + g.z + g.w;
-    int incl = lane_sum;  // over lanes >= lane: groups above, larger keys first
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl, off);
-      if (lane + off < 32) incl += y;
-    }
-    int acc = incl - lane_sum, group = -1, above = 0;
-#pragma unroll
-    for (int q = 3; q >= 0; --q) {
-      if (group < 0 && acc < k_rem && acc + sums[q] >= k_rem) {
-        group = 4 * lane + q;
-        above = acc;
-      }
-      acc += sums[q];
-    }
-    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;  // exactly one lane holds the crossing
-    group = __shfl_sync(0xffffffffu, group, src);
-    above = __shfl_sync(0xffffffffu, above, src);
-    const int c = wide[group * 32 + lane];
-    publish_crossing_bin(c, group, above, k_rem, s.found);
-  }
-  __syncthreads();
-  bin = s.found[0];
-  need = s.found[1];
-  count = s.found[2];
-}
 
 // `find_bin` for one CTA of T threads (no cluster): the bin holding the k_rem-th largest of `h`, how many of it are
 // still needed, its count; `next` is cleared on the way (nobody reads it any more: it is two levels old). S: any
@@ -539,67 +485,6 @@ __device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, in
     asm volatile("prefetch.global.L2 [%0];" ::"l"(x_row + c));
 }
 
-// The k-th largest of a solo row once level 0 (the exponent window) has found its bin, when that bin holds few
-// keys: instead of two or three more radix levels over every register (a histogram pass and three barriers each),
-// the bin's keys are appended to shared memory with their columns (one ballot per key slot, one atomic per warp
-// that has any) and each is ranked against the others by (key, then lower column), a total order: the one of rank
-// need - 1 is the threshold. A key is then selected iff it is above the threshold, or equal to it at a column no
-// higher. Every thread gets (thr_key, thr_col); the candidates overlay hist[0], which find_bin has finished reading.
-// Up to kGatherCap candidates; a fuller bin goes on with the radix levels.
-constexpr int kGatherCap = 256;
-static_assert(2 * kGatherCap <= kBins, "the candidates' keys and columns overlay one histogram");
-
-template <int KPT>
-__device__ __forceinline__ void gather_threshold(const unsigned (&key)[KPT], int live, int base, int start,
-                                                 unsigned prefix, int shift, int need, int n, Shared& s,
-                                                 unsigned& thr_key, int& thr_col) {
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  unsigned* cand_key = reinterpret_cast<unsigned*>(s.hist[0]);
-  int* cand_col = s.hist[0] + kGatherCap;
-#pragma unroll
-  for (int e = 0; e < KPT; ++e) {
-    if ((e >> 2) >= live) break;  // uniform: every lane of the warp reaches the ballot
-    const bool mine = key[e] != 0u && (key[e] >> shift) == prefix;
-    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
-    if (ballot == 0u) continue;
-    const int leader = __ffs(ballot) - 1;
-    int slot = 0;
-    if (lane == leader) slot = atomicAdd(&s.n_gathered, __popc(ballot));
-    slot = __shfl_sync(0xffffffffu, slot, leader) + __popc(ballot & ((1u << lane) - 1u));
-    if (mine) {
-      cand_key[slot] = key[e];
-      cand_col[slot] = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3) - start;
-    }
-  }
-  __syncthreads();
-  // Each warp ranks every kWarps-th candidate (its targets) against all n: the lanes hold the candidates in
-  // registers (kGatherCap / 32 each) as one 64-bit order, key then lower column, and one ballot per 32 of them
-  // counts those above a target. (A loop of shared-memory loads per candidate pair was latency-bound: 2-6 us.)
-  constexpr int kPerLane = kGatherCap / 32;
-  auto order = [](unsigned kk, int col) { return ((unsigned long long)kk << 32) | (unsigned)~col; };
-  unsigned long long held[kPerLane];
-#pragma unroll
-  for (int m = 0; m < kPerLane; ++m) {
-    const int j = lane + 32 * m;
-    held[m] = j < n ? order(cand_key[j], cand_col[j]) : 0ull;  // 0: below every candidate (keys are >= 1)
-  }
-#pragma unroll 2
-  for (int j = warp; j < n; j += kWarps) {  // uniform over the warp
-    const unsigned long long target = order(cand_key[j], cand_col[j]);
-    int above = 0;
-#pragma unroll
-    for (int m = 0; m < kPerLane; ++m)
-      if (32 * m < n) above += __popc(__ballot_sync(0xffffffffu, held[m] > target));
-    if (lane == 0 && above == need - 1) {
-      s.thr_key = cand_key[j];
-      s.thr_col = cand_col[j];
-    }
-  }
-  __syncthreads();
-  thr_key = s.thr_key;
-  thr_col = s.thr_col;
-}
-
 // The float4 at column c0 (c0 % 4 == 0): one vector load when it lies inside the window of an aligned row, else
 // scalar loads of its columns inside the window (0 elsewhere). Loads only: callers convert after issuing several,
 // so that the loads are in flight together (a conversion right after each load serialises them).
@@ -629,7 +514,7 @@ __device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start,
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
 // STAGED: the positions go through shared memory (coalesced writes); off where it costs spills (KPT 32 in 64
 // registers: the register kernel's 16K-column chunks).
-template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false, bool GATHER = false, bool WIDE = false>
+template <int KPT, bool STAGED = (KPT <= 16), bool WINDOW = false>
 __device__ __forceinline__ void registers_select_row(const Params& p, const float* x_row, int start, int end, int req,
                                                      int* out_row, int rank, int csize, cg::cluster_group& cluster,
                                                      Shared& s) {
@@ -649,8 +534,6 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // stay empty (or they have left), so find_bin reads only these.
     const int used = min(csize, (end - (start & ~3) + kChunk - 1) / kChunk);
     reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);  // level 0's histogram (peers are past it)
-    if (WIDE) reinterpret_cast<int4*>(s.hist[1])[t] = make_int4(0, 0, 0, 0);  // (both: one of 4096 bins)
-    if (GATHER && t == 0) s.n_gathered = 0;
 
     unsigned key[KPT];
     // A solo row issues every load of its keys before converting any: 0.3-1.0 us less (H200,
@@ -714,36 +597,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       prefix = 0xffffffffu;
       shift = 0;
     }
-    bool gathered = false;  // the threshold came from gather_threshold: (thr_key, thr_col)
-    unsigned thr_key = 0u;
-    int thr_col = 0;
-    if (WIDE && !kProbeLoads) {  // level 0: the wide exponent window (wide_bin), one CTA
-      int* wide = &s.hist[0][0];  // both histograms, contiguous
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) {
-        if ((e >> 2) >= live) break;
-        if (key[e] != 0u) atomicAdd(&wide[wide_bin(key[e])], 1);
-      }
-      int bin, need, count;
-      find_bin_wide(wide, k_rem, s, bin, need, count);
-      stage_clock();
-      level = 2;  // the radix levels below (if any) start on hist[0], which the next find_bin leaves cleared
-      if (wide_prefix(bin, prefix)) {  // uniform
-        shift = kWideShift;
-        k_rem = need;
-        done = count == need;
-        if (GATHER && !done && count <= kGatherCap) {
-          gather_threshold<KPT>(key, live, base, start, prefix, kWideShift, need, count, s, thr_key, thr_col);
-          stage_clock();
-          gathered = done = true;
-        }
-      }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
-      if (!done) {  // the radix levels use hist[0] then hist[1]: clear both (find_bin_wide's barrier: read)
-        reinterpret_cast<int4*>(s.hist[0])[t] = make_int4(0, 0, 0, 0);
-        reinterpret_cast<int4*>(s.hist[1])[t] = make_int4(0, 0, 0, 0);
-        __syncthreads();
-      }
-    } else if (WINDOW && !kProbeLoads) {  // level 0: the exponent window (window_bin)
+    if (WINDOW && !kProbeLoads) {  // level 0: the exponent window (window_bin)
       int* h = s.hist[0];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) {
@@ -758,11 +612,6 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         shift = kWindowShift;
         k_rem = need;
         done = count == need;
-        if (GATHER && !done && count <= kGatherCap) {  // uniform: from find_bin
-          gather_threshold<KPT>(key, live, base, start, prefix, kWindowShift, need, count, s, thr_key, thr_col);
-          stage_clock();
-          gathered = done = true;
-        }
       }  // else a clamp bin: the plain levels from bit 31 (prefix 0, shift 32, k_rem k)
     }
     while (!done) {
@@ -825,10 +674,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       if ((e >> 2) >= live) break;
       const unsigned kk = key[e];
       bool sel = false;
-      if (kk != 0u && gathered) {
-        const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
-        sel = kk > thr_key || (kk == thr_key && c - start <= thr_col);
-      } else if (kk != 0u) {
+      if (kk != 0u) {
         const unsigned cls = kk >> shift;
         sel = cls > prefix;
         if (cls == prefix) {
@@ -902,32 +748,18 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
 // Off: timed in two processes on an H100 (topk_routed_window_s12_h100.json) it moved solo-row cells by 0-0.9 us, no
 // more than cells it cannot touch moved between the same processes. A define, so a benchmark build can compare both.
 constexpr bool kSoloWindow = DSA_TOPK_SOLO_WINDOW;
-// On (1): level 0 of a solo row is the exponent window and, when its bin holds at most kGatherCap keys, the bin's
-// keys are ranked in shared memory (gather_threshold) instead of more radix levels; 2: level 0 on the finer wide
-// window (wide_bin, 4096 bins), so that fewer keys are ranked. Off: the first version (each thread looping over the
-// candidates in shared memory) lost on an H100 where rows are many (32 / 128 x 8K: 15.1 / 19.5 vs 11.7 / 13.2 us;
-// 1 x 8K 10.1 vs 10.9; topk_select_probes_s13_h100.json); the ballot ranking and the wide window are not yet timed.
-// A define, so that a benchmark build can compare them.
-#ifndef DSA_TOPK_SOLO_GATHER
-#define DSA_TOPK_SOLO_GATHER 0
-#endif
-constexpr bool kSoloGather = DSA_TOPK_SOLO_GATHER != 0;
-constexpr bool kSoloWide = DSA_TOPK_SOLO_GATHER == 2;  // 2: level 0 on the wide window (wide_bin), then gather
 template <int KPT_MAX>
 __device__ __forceinline__ void registers_select_row_solo(const Params& p, const float* x_row, int start, int end,
                                                           int req, int* out_row, cg::cluster_group& cluster,
                                                           Shared& s) {
   const int span = end - (start & ~3);
-  constexpr bool kWindow = kSoloWindow || kSoloGather;
   if (KPT_MAX >= 8 && span <= 8 * kThreads) {
-    registers_select_row<8, true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req, out_row, 0, 1, cluster,
-                                                                   s);
+    registers_select_row<8, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   } else if (KPT_MAX >= 16 && span <= 16 * kThreads) {
-    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req,
-                                                                                           out_row, 0, 1, cluster, s);
+    registers_select_row<(KPT_MAX >= 16 ? 16 : 8), true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1,
+                                                                      cluster, s);
   } else {
-    registers_select_row<KPT_MAX, true, kWindow, kSoloGather, kSoloWide>(p, x_row, start, end, req, out_row, 0, 1,
-                                                                         cluster, s);
+    registers_select_row<KPT_MAX, true, kSoloWindow>(p, x_row, start, end, req, out_row, 0, 1, cluster, s);
   }
 }
 
