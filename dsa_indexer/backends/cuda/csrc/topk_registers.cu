@@ -764,9 +764,10 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
 }
 
 // A variant (1; benchmarks compare it): in the 32-keys-per-thread kernel (launched for widths past 16 x 8K, i.e.
-// logits padded to max_model_len), a cluster row that 16 keys per thread hold over the cluster is selected at 16, on
-// twice as many CTAs, as the launch for its own width would (padded 32 x 32K in 163840: 22.4 us, the 4 x 16 launch
-// of the 32K width 17.2; H200, topk_variants_s15_h200.json).
+// logits padded to max_model_len), a row that 16 keys per thread hold (over the cluster, or on one CTA for a solo
+// row) is selected at 16, as the launch for its own width would: a cluster row on twice as many CTAs (padded 32 x 32K
+// in 163840: 22.3 us, the 4 x 16 launch of the 32K width 17.2), a solo row without the 32-key code's loop exits
+// (padded 1 x 8K 11.4, the streaming kernel's 16-key select of the 8K width 9.9; H200, topk_variants_s15_h200.json).
 #ifndef DSA_TOPK_ROW_KPT
 #define DSA_TOPK_ROW_KPT 0
 #endif
@@ -812,7 +813,7 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     const float* x_row = p.x + (long long)row * p.x_stride;
     const int span = end - (start & ~3);
     const bool solo = csize > 1 && span <= kChunk;
-    const bool half = kRowKpt && KPT == 32 && !solo && span <= csize * 16 * kThreads;  // uniform
+    const bool half = kRowKpt && KPT == 32 && span <= (solo ? 1 : csize) * 16 * kThreads;  // uniform
     if (solo) {
       const bool mine = solo_turn % csize == rank;
       ++solo_turn;
@@ -825,7 +826,8 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
     }
     // One call site for both routes (a second inlined copy of the select costs registers: spills at KPT 32).
     if (half)
-      registers_select_row<(KPT == 32 ? 16 : KPT)>(p, x_row, start, end, req, out_row, rank, csize, cluster, s);
+      registers_select_row<(KPT == 32 ? 16 : KPT)>(p, x_row, start, end, req, out_row, solo ? 0 : rank,
+                                                   solo ? 1 : csize, cluster, s);
     else
       registers_select_row<KPT>(p, x_row, start, end, req, out_row, solo ? 0 : rank, solo ? 1 : csize, cluster, s);
   }
