@@ -197,6 +197,32 @@ __device__ __noinline__ void print_stage_clocks() {
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::); }
 
+// The first step of a find_bin, in warp 0: lane l holds the counts `lo` / `hi` of groups 2 l and 2 l + 1 (32 bins
+// each). Every lane gets the group holding the k_rem-th largest and the count of the keys in the groups above it.
+__device__ __forceinline__ void crossing_group(int lo, int hi, int k_rem, int& group, int& above) {
+  const int lane = threadIdx.x & 31;
+  const int both = lo + hi;
+  int incl = both;  // over lanes >= lane: groups above, larger keys first
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, incl, off);
+    if (lane + off < 32) incl += y;
+  }
+  const int above_hi = incl - both, above_lo = above_hi + hi;
+  group = -1;
+  above = 0;
+  if (above_hi < k_rem && above_hi + hi >= k_rem) {
+    group = 2 * lane + 1;
+    above = above_hi;
+  } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
+    group = 2 * lane;
+    above = above_lo;
+  }
+  const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;  // exactly one lane holds the crossing
+  group = __shfl_sync(0xffffffffu, group, src);
+  above = __shfl_sync(0xffffffffu, above, src);
+}
+
 // The last step of a find_bin, in warp 0: lane l holds the count `c` of bin 32 * group + l (the group holding the
 // k_rem-th largest), `above` counts the keys in the bins above the group. The lane of the crossing bin writes it, the
 // k_rem left within it and its count to found[0..2].
@@ -282,25 +308,8 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
         }
       }
     }
-    const int both = lo + hi;
-    int incl = both;  // over lanes >= lane: groups above, larger keys first
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl, off);
-      if (lane + off < 32) incl += y;
-    }
-    const int above_hi = incl - both, above_lo = above_hi + hi;
-    int group = -1, above = 0;
-    if (above_hi < k_rem && above_hi + hi >= k_rem) {
-      group = 2 * lane + 1;
-      above = above_hi;
-    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
-      group = 2 * lane;
-      above = above_lo;
-    }
-    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;  // exactly one lane holds the crossing
-    group = __shfl_sync(0xffffffffu, group, src);
-    above = __shfl_sync(0xffffffffu, above, src);
+    int group, above;
+    crossing_group(lo, hi, k_rem, group, above);
     int c = 0;  // merged count of bin 32 * group + lane
     if (by_warp) {  // the bins are read by every warp below
       if (lane == 0) {
@@ -448,25 +457,8 @@ __device__ __forceinline__ void block_find_bin(int* h, int* next, int k_rem, S& 
   __syncthreads();  // the group sums are complete
   if (warp == 0) {
     const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];  // groups 2 * lane, 2 * lane + 1
-    const int lo = pair.x, hi = pair.y, both = lo + hi;
-    int incl = both;  // over lanes >= lane: groups above, larger keys first
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl, off);
-      if (lane + off < 32) incl += y;
-    }
-    const int above_hi = incl - both, above_lo = above_hi + hi;
-    int group = -1, above = 0;
-    if (above_hi < k_rem && above_hi + hi >= k_rem) {
-      group = 2 * lane + 1;
-      above = above_hi;
-    } else if (above_lo < k_rem && above_lo + lo >= k_rem) {
-      group = 2 * lane;
-      above = above_lo;
-    }
-    const int src = __ffs(__ballot_sync(0xffffffffu, group >= 0)) - 1;
-    group = __shfl_sync(0xffffffffu, group, src);
-    above = __shfl_sync(0xffffffffu, above, src);
+    int group, above;
+    crossing_group(pair.x, pair.y, k_rem, group, above);
     const int c = h[group * 32 + lane];
     publish_crossing_bin(c, group, above, k_rem, s.found);
   }
