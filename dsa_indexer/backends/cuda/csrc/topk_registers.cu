@@ -70,6 +70,12 @@ constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
 // level and warp 0 alone reading the lower peers' totals for the output offset, this cut the cluster rows by up to
 // 1.1 us (H200, topk_variants_s15_h200.json: 1 x 32K 11.8 -> 10.8, 1 x 128K 14.6 -> 13.5, V4 1 x 32K 11.9 -> 10.8).
 constexpr int kPeersByWarpFrom = 4;
+// A variant (1; benchmarks compare it): a solo row's find_bin has every warp scan the group sums and the crossing
+// group's bins itself, instead of warp 0 publishing the bin through shared memory behind a third block barrier.
+#ifndef DSA_TOPK_SOLO_WARPS_FIND
+#define DSA_TOPK_SOLO_WARPS_FIND 0
+#endif
+constexpr bool kSoloWarpsFind = DSA_TOPK_SOLO_WARPS_FIND;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -260,8 +266,37 @@ __device__ __forceinline__ void cluster_or_block_sync(cg::cluster_group& cluster
 // (a loop that waits for each peer in turn pays one round trip per peer and stage: H200, 1 x 128K on 16 CTAs 15.5
 // -> 14.2 us, 32 rows of 32K in a 10-CTA cluster sized for a 163840 width 35.3 -> 22.9 with the early exit).
 __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
-                                         int csize, int used, int& bin, int& need, int& count) {
+                                         int csize, int used, int& bin, int& need, int& count,
+                                         bool warps_find = false) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  if (warps_find && csize == 1) {  // DSA_TOPK_SOLO_WARPS_FIND: every warp finds the bin itself, no third barrier
+    __syncthreads();  // this level's atomics are complete, and every warp is past the previous level's reads
+    // `next` is cleared before the barrier below, so before any warp's next-level atomics
+    reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+    const int4 v = reinterpret_cast<const int4*>(h)[t];
+    int m = v.x + v.y + v.z + v.w;
+    m += __shfl_xor_sync(0xffffffffu, m, 1);
+    m += __shfl_xor_sync(0xffffffffu, m, 2);
+    m += __shfl_xor_sync(0xffffffffu, m, 4);
+    if ((lane & 7) == 0) s.group[t >> 3] = m;
+    __syncthreads();  // the group sums
+    const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];
+    int group, above;
+    crossing_group(pair.x, pair.y, k_rem, group, above);
+    const int c = h[group * 32 + lane];
+    int incl = c;  // over lanes >= lane: bins above, larger keys first
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, incl, off);
+      if (lane + off < 32) incl += y;
+    }
+    const int above_bin = above + incl - c;
+    const int src = __ffs(__ballot_sync(0xffffffffu, above_bin < k_rem && above_bin + c >= k_rem)) - 1;
+    bin = group * 32 + src;
+    need = k_rem - __shfl_sync(0xffffffffu, above_bin, src);
+    count = __shfl_sync(0xffffffffu, c, src);
+    return;  // these reads of h and s.group end before any warp's next write to them: behind its next barrier
+  }
   // One cluster barrier per level: the group sums alternate between two halves of s.group by the histogram's
   // parity, so a peer may still read the previous level's while we write this one's; `next` is cleared after the
   // barrier, when every peer has read it (one level ago, before it arrived).
@@ -597,7 +632,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         if (key[e] != 0u) atomicAdd(&h[window_bin(key[e])], 1);
       }
       int bin, need, count;
-      find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count);
+      find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
       stage_clock();
       ++level;
       if (window_prefix(bin, prefix)) {  // uniform: every CTA found the same bin
@@ -618,7 +653,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       }
       int bin, need, count;
-      find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
+      find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
       stage_clock();
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
@@ -649,7 +684,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
           }
         }
         int bin, need, count;
-        find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
+        find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
         stage_clock();
         ++level;
         prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
