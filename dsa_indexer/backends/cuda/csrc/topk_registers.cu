@@ -162,6 +162,17 @@ __device__ __forceinline__ int warp_inclusive_sum(int v) {
   return v;
 }
 
+// The inclusive suffix sum of `v` over the warp's lanes: lanes >= lane (every lane takes part).
+__device__ __forceinline__ int warp_suffix_sum(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, v, off);
+    if (lane + off < 32) v += y;
+  }
+  return v;
+}
+
 // The stage-clock probe (DSA_TOPK_STAGE_CLOCKS): thread 0 stamps the SM clock at each stage of its CTA's first
 // selected row into shared memory (with the count, the row's facts and a done flag in the slots after the stamps),
 // and the launch's first CTA prints them when the kernel ends: nothing is held in registers across the select, and
@@ -208,12 +219,7 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 __device__ __forceinline__ void crossing_group(int lo, int hi, int k_rem, int& group, int& above) {
   const int lane = threadIdx.x & 31;
   const int both = lo + hi;
-  int incl = both;  // over lanes >= lane: groups above, larger keys first
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_down_sync(0xffffffffu, incl, off);
-    if (lane + off < 32) incl += y;
-  }
+  const int incl = warp_suffix_sum(both);  // over lanes >= lane: groups above, larger keys first
   const int above_hi = incl - both, above_lo = above_hi + hi;
   group = -1;
   above = 0;
@@ -234,12 +240,7 @@ __device__ __forceinline__ void crossing_group(int lo, int hi, int k_rem, int& g
 // k_rem left within it and its count to found[0..2].
 __device__ __forceinline__ void publish_crossing_bin(int c, int group, int above, int k_rem, int* found) {
   const int lane = threadIdx.x & 31;
-  int incl = c;  // over lanes >= lane: bins above, larger keys first
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_down_sync(0xffffffffu, incl, off);
-    if (lane + off < 32) incl += y;
-  }
+  const int incl = warp_suffix_sum(c);  // over lanes >= lane: bins above, larger keys first
   const int above_bin = above + incl - c;
   if (above_bin < k_rem && above_bin + c >= k_rem) {
     found[0] = group * 32 + lane;
@@ -284,13 +285,7 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
     int group, above;
     crossing_group(pair.x, pair.y, k_rem, group, above);
     const int c = h[group * 32 + lane];
-    int incl = c;  // over lanes >= lane: bins above, larger keys first
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_down_sync(0xffffffffu, incl, off);
-      if (lane + off < 32) incl += y;
-    }
-    const int above_bin = above + incl - c;
+    const int above_bin = above + warp_suffix_sum(c) - c;  // the bins above, larger keys first
     const int src = __ffs(__ballot_sync(0xffffffffu, above_bin < k_rem && above_bin + c >= k_rem)) - 1;
     bin = group * 32 + src;
     need = k_rem - __shfl_sync(0xffffffffu, above_bin, src);
