@@ -270,18 +270,25 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
                                          int csize, int used, int& bin, int& need, int& count,
                                          bool warps_find = false) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  if (warps_find && csize == 1) {  // DSA_TOPK_SOLO_WARPS_FIND: every warp finds the bin itself, no third barrier
-    __syncthreads();  // this level's atomics are complete, and every warp is past the previous level's reads
-    // `next` is cleared before the barrier below, so before any warp's next-level atomics
-    reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
-    const int4 v = reinterpret_cast<const int4*>(h)[t];
-    int m = v.x + v.y + v.z + v.w;
-    m += __shfl_xor_sync(0xffffffffu, m, 1);
-    m += __shfl_xor_sync(0xffffffffu, m, 2);
-    m += __shfl_xor_sync(0xffffffffu, m, 4);
-    if ((lane & 7) == 0) s.group[t >> 3] = m;
-    __syncthreads();  // the group sums
-    const int2 pair = reinterpret_cast<const int2*>(s.group)[lane];
+  // One cluster barrier per level: the group sums alternate between two halves of s.group by the histogram's
+  // parity, so a peer may still read the previous level's while we write this one's; `next` is cleared after the
+  // barrier, when every peer has read it (one level ago, before it arrived).
+  // DSA_TOPK_SOLO_WARPS_FIND (warps_find, a solo row): every warp finds the bin itself, with no third barrier; `next`
+  // is then cleared before the second barrier (every warp is past the previous level's reads at the first), so
+  // before any warp's next-level atomics.
+  const bool solo_warps = warps_find && csize == 1;
+  int* group_sums = s.group + (h == s.hist[0] ? 0 : kBins / 32);
+  __syncthreads();  // this CTA's atomics of this level are complete
+  if (solo_warps) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
+  const int4 v = reinterpret_cast<const int4*>(h)[t];
+  int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
+  m += __shfl_xor_sync(0xffffffffu, m, 1);
+  m += __shfl_xor_sync(0xffffffffu, m, 2);
+  m += __shfl_xor_sync(0xffffffffu, m, 4);
+  if ((lane & 7) == 0) group_sums[t >> 3] = m;
+  cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and so its atomics) are complete
+  if (solo_warps) {
+    const int2 pair = reinterpret_cast<const int2*>(group_sums)[lane];
     int group, above;
     crossing_group(pair.x, pair.y, k_rem, group, above);
     const int c = h[group * 32 + lane];
@@ -290,20 +297,8 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
     bin = group * 32 + src;
     need = k_rem - __shfl_sync(0xffffffffu, above_bin, src);
     count = __shfl_sync(0xffffffffu, c, src);
-    return;  // these reads of h and s.group end before any warp's next write to them: behind its next barrier
+    return;  // these reads of h and the group sums end before any warp's next write to them: behind its next barrier
   }
-  // One cluster barrier per level: the group sums alternate between two halves of s.group by the histogram's
-  // parity, so a peer may still read the previous level's while we write this one's; `next` is cleared after the
-  // barrier, when every peer has read it (one level ago, before it arrived).
-  int* group_sums = s.group + (h == s.hist[0] ? 0 : kBins / 32);
-  __syncthreads();  // this CTA's atomics of this level are complete
-  const int4 v = reinterpret_cast<const int4*>(h)[t];
-  int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
-  m += __shfl_xor_sync(0xffffffffu, m, 1);
-  m += __shfl_xor_sync(0xffffffffu, m, 2);
-  m += __shfl_xor_sync(0xffffffffu, m, 4);
-  if ((lane & 7) == 0) group_sums[t >> 3] = m;
-  cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and so its atomics) are complete
   reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
   const bool by_warp = used > kPeersByWarpFrom;  // uniform over the cluster
   if (by_warp) {  // warp w: peer w's 64 group sums
