@@ -153,6 +153,12 @@ def ours(cuda_topk, args, logits, ends, k, width, sms):
     if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
         impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(logits, k, ends, None, None, None,
                                                                 cuda_topk.Plan("stream", 1, 0))
+    if cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS:  # the split pass, within one wave
+        for cluster in cuda_topk.STREAM_CLUSTERS[1:]:
+            split = cuda_topk.Plan("stream", cluster, 0)
+            if split != planned and logits.shape[0] * cluster <= sms:
+                impls[f"cuda.radix stream x{cluster}"] = (
+                    lambda split=split: cuda_topk.run_plan(logits, k, ends, None, None, None, split))
     longest = int(ends.max())
     if longest < width:  # what a host bound on the lengths (vLLM's max_seq_len) would give: the plan of the longest
         trimmed = logits[:, :longest]

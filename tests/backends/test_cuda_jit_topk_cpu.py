@@ -203,6 +203,22 @@ def test_many_rows_at_v4_k_512_stream_from_32k_columns(width_plans, rows, cols):
     assert cuda_topk.plan_for(rows, 32767, 132, 4, 512).kernel == "registers"
 
 
+@pytest.mark.parametrize("rows,cols,cluster", [(32, 163840, 4), (64, 131072, 2), (128, 131072, 1), (16, 65537, 8),
+                                               (33, 131072, 4), (34, 131072, 2), (66, 131072, 2), (67, 131072, 1), (32, 16384, 1),
+                                               (128, 8192, 1)])
+def test_split_stream_plan_fills_one_wave(width_plans, monkeypatch, rows, cols, cluster):
+    """SPLIT_STREAM on: a streaming launch of rows longer than one CTA holds takes the most CTAs per row (2 / 4 /
+    8) that keep rows x CTAs within the SMs; rows one CTA holds (<= 16K columns) keep one CTA each."""
+    monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", True)
+    assert cuda_topk.stream_cluster(rows, cols, 132) == cluster
+    assert rows * cluster <= 132 or cluster == 1
+    got = cuda_topk.plan_for(rows, cols, 132, 4)
+    if got.kernel == "stream":
+        assert got.cluster == cluster
+    monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", False)
+    assert cuda_topk.stream_cluster(rows, cols, 132) == 1
+
+
 def test_rows_past_sixteen_register_chunks_take_the_shared_memory_kernel():
     wide = cuda_topk.plan_for(1, 16 * 16384 + 1, 132, 4)
     assert wide.kernel == "shared" and wide.cluster == 8 and wide.per_cta * 8 >= 16 * 16384 + 1

@@ -48,6 +48,9 @@ def _plans(rows: int, cols: int, vec: int = 4):
         plans.append(cuda_topk.Plan("shared", *shared))
     if cols <= cuda_topk.STREAM_MAX_COLS:  # the streaming kernel, forced on every width (its fallback on short rows)
         plans.append(cuda_topk.Plan("stream", 1, 0))
+        # its split pass: 2 CTAs per row (uneven shares of a row's batches) and 8 (CTAs with no batch of a shorter
+        # row; rows one CTA holds handed to the cluster's CTAs in turn)
+        plans += [cuda_topk.Plan("stream", 2, 0), cuda_topk.Plan("stream", 8, 0)]
     reg = cuda_topk.register_plan(rows, cols, _sms())
     if reg is not None and cuda_topk.SHORT_ROWS_MAX_COLS < cols <= cuda_topk.STREAM_MAX_COLS:
         plans.append(cuda_topk.Plan("routed", *reg))  # both kernels side by side, each row to one of them
@@ -299,6 +302,9 @@ def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     _check(logits, 2048, ends, starts, plan=plan)
     _check(logits, 2048, ends, starts, table, req, plan=plan)
     _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
+    for cluster in (2, 4):  # the split pass on windows with starts and the slot transform
+        _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", cluster, 0))
+        _check(logits, 2048, ends, starts, table, req, plan=cuda_topk.Plan("stream", cluster, 0))
     routed = cuda_topk.Plan("routed", *cuda_topk.register_plan(rows, width, _sms()))
     _check(logits, 2048, ends, starts, plan=routed)
     _check(logits, 2048, ends, starts, table, req, plan=routed)
@@ -347,11 +353,19 @@ def test_clusters_looping_over_rows_of_different_groups(kernel_ready):
     assert torch.equal(got[probe].sort(dim=1).values, want.sort(dim=1).values)
 
 
-def test_padded_graph_replays_other_lengths(kernel_ready):
+@pytest.mark.parametrize("split", [None, 4])
+def test_padded_graph_replays_other_lengths(kernel_ready, split, monkeypatch):
     """A graph captured at one batch of lengths stays right when replayed with others (the routing is read on
-    the device at every replay), and equals the eager call bitwise."""
+    the device at every replay), and equals the eager call bitwise; with the streaming kernel's split pass as
+    the plan too (SPLIT_STREAM: 4 CTAs per row at 32 rows)."""
+    if split is not None:
+        monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", True)
+        cuda_topk.plan_for.cache_clear()
+        monkeypatch.setattr(cuda_topk, "plan_for", cuda_topk.plan_for.__wrapped__)
     rows, width = 32, 163840
     logits, ends = _padded([8192] * rows, width, seed=11)
+    if split is not None:
+        assert cuda_topk.plan_for(rows, width, _sms(), 4) == cuda_topk.Plan("stream", split, 0)
     out = cuda_topk.topk_indices(logits, 2048, ends)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

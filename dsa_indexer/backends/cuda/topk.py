@@ -67,6 +67,12 @@ LONG_ROWS_STREAM_MIN_ROWS = 32
 # vs 20.4 / 24.6; at k = 2048 the clusters stay ahead or even: 20.4 / 25.2 vs 22.9 / 25.3).
 SMALL_K_STREAM_MAX_K = 512
 SMALL_K_STREAM_MIN_ROWS = 64
+# The streaming kernel's split pass: a cluster of C CTAs per row shares a long row's pass (each streams 1/C of it
+# into CTA 0's candidates; CTA 0 selects), so the longest row of a launch with SMs to spare is read C times
+# faster (one SM reads ~40 GB/s: a 128K row's pass alone is ~12 us). Rows one CTA holds go to the cluster's CTAs
+# in turn. Off until measured against the one-CTA launch (bench_topk_engines.py --plans times "stream xC").
+SPLIT_STREAM = False
+STREAM_CLUSTERS = (1, 2, 4, 8)
 # The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
 # at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
 PREFILL_MIN_ROWS = 1024
@@ -138,7 +144,7 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.dsa_topk_routed_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                            ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
-    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_prefill_launch.restype = ctypes.c_int
@@ -213,19 +219,19 @@ def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | 
     if rows >= PREFILL_MIN_ROWS and PREFILL_MIN_COLS < cols < PREFILL_MAX_COLS:
         return Plan("prefill", 1, PREFILL_THREADS)
     if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
-        return Plan("stream", 1, 0)
+        return Plan("stream", stream_cluster(rows, cols, sms), 0)
     if (LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS
             and not ROUTE_ROWS):
-        return Plan("stream", 1, 0)
+        return Plan("stream", stream_cluster(rows, cols, sms), 0)
     if k <= SMALL_K_STREAM_MAX_K and STREAM_MIN_COLS <= cols <= STREAM_MAX_COLS and rows >= SMALL_K_STREAM_MIN_ROWS:
-        return Plan("stream", 1, 0)
+        return Plan("stream", stream_cluster(rows, cols, sms), 0)
     reg = register_plan(rows, cols, sms)
     if (ROUTE_ROWS and reg is not None and SHORT_ROWS_MAX_COLS < cols <= STREAM_MAX_COLS
             and rows * reg[0] <= STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
         return Plan("routed", *reg)
     if (reg is not None and STREAM_MIN_COLS < cols <= STREAM_MAX_COLS
             and rows * reg[0] > STREAM_AFTER_WAVES * REGISTERS_CTAS_PER_SM * sms):
-        return Plan("stream", 1, 0)
+        return Plan("stream", stream_cluster(rows, cols, sms), 0)
     if reg is not None:
         return Plan("registers", *reg)
     shared = plan(rows, cols, sms, vec)
@@ -234,6 +240,17 @@ def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | 
     if rows >= sms and cols < PREFILL_MAX_COLS:  # a 1M-token prefill's last chunks (~500 rows of 1M columns)
         return Plan("prefill", 1, PREFILL_THREADS)
     return None
+
+
+def stream_cluster(rows: int, cols: int, sms: int) -> int:
+    """CTAs per row of a streaming launch: 1 when rows of ``cols`` columns fit one CTA's registers (nothing to
+    split) or SPLIT_STREAM is off; else the most of 2 / 4 / 8 that keep rows x CTAs within one CTA per SM."""
+    cluster = 1
+    if not SPLIT_STREAM or cols <= SHORT_ROWS_MAX_COLS:
+        return cluster
+    while cluster < STREAM_CLUSTERS[-1] and rows * cluster * 2 <= sms:
+        cluster *= 2
+    return cluster
 
 
 def plan(rows: int, cols: int, sms: int, vec: int) -> tuple[int, int] | None:
@@ -318,7 +335,9 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "stream":
         lib = _registers_library(capability)
-        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), int(vec == 4), stream)
+        if launch.cluster not in STREAM_CLUSTERS:
+            raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
+        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), launch.cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
         lib = _registers_library(capability)

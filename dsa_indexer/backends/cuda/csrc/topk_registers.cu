@@ -863,6 +863,12 @@ __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
 //    otherwise (an unlucky or adversarial row) the same select runs over the whole row, re-read per level;
 // 4. the selected columns set bits of a shared bitmap (atomicOr: order-free), and a block scan over the bitmap
 //    writes them in ascending column order, so the output is bitwise repeatable whatever the atomics' order.
+// Launched with a cluster of C CTAs per row (the split pass, `topk_stream_kernel<true>`), a long row's pass is
+// shared: every CTA computes the same threshold from the same sample, streams its own 1/C of the row's float4
+// batches, and appends its candidates to CTA 0's shared memory (distributed shared memory atomics and stores);
+// CTA 0 alone selects. One SM reads a row at ~40 GB/s (a 128K row: ~12 us), so C CTAs cut the pass C-fold where
+// the launch has SMs to spare (a few long rows among short ones: the longest row sets the time). Rows one CTA
+// holds (and rows of <= k columns) go to the cluster's CTAs in turn, as in the register kernel.
 constexpr int kStreamCandCap = 6144;
 constexpr int kStreamMaxCols = 1 << 18;  // bitmap of 8K words; below 2^kColBits for the column tie-break
 constexpr int kStreamSampleVecs = 4;     // float4s per thread in the sample
@@ -874,6 +880,7 @@ struct StreamShared {
   unsigned cand_key[kStreamCandCap];
   int cand_col[kStreamCandCap];
   unsigned bitmap[kStreamMaxCols / 32];
+  unsigned cand_range[2];  // the split pass (CTA 0's): min / max of every CTA's candidates
 };
 
 // Calls f(key, column) for every column of the window (key 0 for the padding of the first / last float4):
@@ -895,11 +902,28 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
   }
 }
 
+template <bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
-  cg::cluster_group cluster = cg::this_cluster();  // a cluster of one: find_bin uses block barriers only
+  // find_bin is always called with csize 1 here (block barriers only); SPLIT's cluster barriers are explicit
+  cg::cluster_group cluster = cg::this_cluster();
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int csize = SPLIT ? (int)cluster.num_blocks() : 1;
+  const int rank = SPLIT ? (int)cluster.block_rank() : 0;
+  int solo_turn = 0;        // SPLIT: rows one CTA selects so far (the next goes to rank solo_turn % csize)
+  bool wait_pending = false;  // SPLIT, ranks > 0: arrived at a row's second cluster barrier, not yet waited
+  // CTA 0's candidate buffers (its own shared memory for CTA 0 and without SPLIT)
+  int* cand_count = &s.n_cand;
+  unsigned* cand_key = s.cand_key;
+  int* cand_col = s.cand_col;
+  unsigned* cand_range = s.cand_range;
+  if (SPLIT && rank != 0) {
+    cand_count = cluster.map_shared_rank(cand_count, 0);
+    cand_key = cluster.map_shared_rank(cand_key, 0);
+    cand_col = cluster.map_shared_rank(cand_col, 0);
+    cand_range = cluster.map_shared_rank(cand_range, 0);
+  }
   init_stage_clocks();
 
   __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
@@ -910,8 +934,8 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     long_rows_stream = v;
   }
 
-  for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    if (p.starts == nullptr)  // the columns a short row's select reads, the first of a long row's pass
+  for (int row = blockIdx.x / csize; row < p.rows; row += gridDim.x / csize) {
+    if (p.starts == nullptr && rank == 0)  // the columns a short row's select reads, the first of a long row's pass
       prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
@@ -920,23 +944,53 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     int* out_row = p.out + (long long)row * p.k;
     const int width = end - start;
 
+    const float* x_row = p.x + (long long)row * p.x_stride;
+    const bool one_cta = width <= p.k || end - (start & ~3) <= kSoloMaxSpan;  // uniform over the cluster
+    if (SPLIT && one_cta && solo_turn++ % csize != rank) continue;  // another CTA of the cluster's turn
     if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
       for (int j = t; j < p.k; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
       continue;
     }
-    const float* x_row = p.x + (long long)row * p.x_stride;
-    if (end - (start & ~3) <= kSoloMaxSpan) {  // a short row (a padded launch's width is no guide): in registers
+    if (one_cta) {  // a short row (a padded launch's width is no guide): in registers
       registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
       continue;
     }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
+    const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: shuffles see every lane
+    // SPLIT: this CTA's share of the pass, whole batches of kStreamUnroll iterations; `used` CTAs have one
+    int it_lo = 0, it_hi = iters, used = 1;
+    if (SPLIT) {
+      const int batches = (iters + kStreamUnroll - 1) / kStreamUnroll;
+      used = min(csize, batches);
+      it_lo = rank < used ? (rank * batches / used) * kStreamUnroll : iters;
+      it_hi = rank < used ? min(iters, ((rank + 1) * batches / used) * kStreamUnroll) : iters;
+      if (rank > 0 && rank < used)  // this CTA's first batch into L2 while it computes the sample (CTA 0's: above)
+        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads, min(end, base + 4 * (it_lo + kStreamUnroll) * kThreads));
+      if (wait_pending) cluster_wait();  // the previous long row's second barrier (CTA 0 has appended it all)
+      wait_pending = false;
+    }
     first_stage_clock();
 
     reinterpret_cast<int4*>(s.base.hist[0])[t] = make_int4(0, 0, 0, 0);
-    for (int w = t; w < nwords; w += kThreads) s.bitmap[w] = 0u;
-    if (t == 0) s.n_cand = 0;
+    if (rank == 0) {
+      for (int w = t; w < nwords; w += kThreads) s.bitmap[w] = 0u;
+      if (t == 0) s.n_cand = 0;
+      if (SPLIT && t == 0) {
+        s.cand_range[0] = 0xffffffffu;
+        s.cand_range[1] = 0u;
+      }
+    }
+    // SPLIT: the first cluster barrier, arrived here and waited on just before the first append: CTA 0's buffers
+    // are cleared (and its previous row's select, which read them, is done) before any CTA appends to them
+    if (SPLIT) cluster_arrive();
+    if (SPLIT && rank >= used) {  // no batch of this row: its barriers only
+      cluster_wait();
+      cluster_arrive();
+      wait_pending = true;
+      continue;
+    }
 
     // ---- 1. the sample and its threshold
     unsigned skey[4 * kStreamSampleVecs];
@@ -999,7 +1053,6 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     // shared atomic per batch (a warp scan of the lanes' counts), and only threads holding a candidate convert and
     // store. (The first version took a warp ballot and an atomic per key: instruction-bound at 58 us for one
     // 128K row, where one CTA reads the row in 12 us; benchmarks/results/topk_stream_pass_h200.json.)
-    const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: shuffles see every lane
     const int v_lo = start > base ? 1 : 0;  // the float4s wholly inside the window: [v_lo, v_hi)
     const int v_hi = (end - base) >> 2;
     const bool float_compare = threshold > kNegInfKey;  // uniform; else the row's top reaches -inf / NaN
@@ -1024,12 +1077,13 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       }
     };
     float4 q_next[kStreamUnroll];
-    load_batch(0, q_next);
-    for (int it0 = 0; it0 < iters; it0 += kStreamUnroll) {
+    load_batch(it_lo, q_next);
+    if (SPLIT) cluster_wait();
+    for (int it0 = it_lo; it0 < it_hi; it0 += kStreamUnroll) {
       float4 q[kStreamUnroll];
 #pragma unroll
       for (int u = 0; u < kStreamUnroll; ++u) q[u] = q_next[u];
-      if (it0 + kStreamUnroll < iters) load_batch(it0 + kStreamUnroll, q_next);
+      if (it0 + kStreamUnroll < it_hi) load_batch(it0 + kStreamUnroll, q_next);
       const bool inside = batch_inside(it0);
       // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
       unsigned take = 0u;
@@ -1055,7 +1109,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
       if (warp_total != 0) {  // uniform over the warp
         int first = 0;
-        if (lane == 31) first = atomicAdd(&s.n_cand, warp_total);
+        if (lane == 31) first = atomicAdd(cand_count, warp_total);
         first = __shfl_sync(0xffffffffu, first, 31);
         int pos = first + incl - mine;
         const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -1071,14 +1125,28 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
           cand_lo = min(cand_lo, kk);
           cand_hi = max(cand_hi, kk);
           if (pos < kStreamCandCap) {
-            s.cand_key[pos] = kk;
-            s.cand_col[pos] = base + 4 * ((it0 + u) * kThreads + t) + i;
+            cand_key[pos] = kk;
+            cand_col[pos] = base + 4 * ((it0 + u) * kThreads + t) + i;
           }
           ++pos;
         }
       }
     }
     block_min_max<kThreads>(cand_lo, cand_hi, s.base);  // its barrier: the candidates are complete
+    if (SPLIT) {  // the second cluster barrier: every CTA's candidates and range are in CTA 0's shared memory
+      if (t == 0) {
+        atomicMin(&cand_range[0], cand_lo);
+        atomicMax(&cand_range[1], cand_hi);
+      }
+      cluster_arrive();
+      if (rank != 0) {  // CTA 0 selects; this CTA goes on (it waits before its next cluster barrier)
+        wait_pending = true;
+        continue;
+      }
+      cluster_wait();
+      cand_lo = s.cand_range[0];
+      cand_hi = s.cand_range[1];
+    }
     stage_clock();
     const int n_cand = s.n_cand;
     if (kProbeStreamPass) {  // a probe build: the sample and the pass only, nothing selected or written
@@ -1176,21 +1244,50 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       for (int j = t; j < p.k; j += kThreads) out_row[j] = s.cand_col[j];
     }
     __syncthreads();  // the bitmap, histograms and warp sums are reused by the next row
-    last_stage_clock(-1, 1, level);
+    last_stage_clock(-1, csize, level);
   }
+  // A CTA leaves with no barrier phase half done (CTA 0's shared memory outlives every peer's appends: it waited
+  // for them at each row's second barrier)
+  if (SPLIT && wait_pending) cluster_wait();
   print_stage_clocks();
 }
 
-cudaError_t launch_stream(const Params& p, int grid, cudaStream_t stream) {
-  static bool configured = false;  // host work once: the >48 KB dynamic shared memory opt-in
+template <bool SPLIT>
+cudaError_t configure_stream() {
+  static bool configured = false;  // host work once per kernel: the >48 KB dynamic shared memory opt-in
   if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel<SPLIT>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  (int)sizeof(StreamShared));
     if (err != cudaSuccess) return err;
     configured = true;
   }
-  topk_stream_kernel<<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
   return cudaSuccess;
+}
+
+// `grid` rows at a time (CTAs loop over the rows), each on `cluster` CTAs (1: no cluster; 2, 4 or 8: the split pass).
+cudaError_t launch_stream(const Params& p, int grid, int cluster, cudaStream_t stream) {
+  if (cluster <= 1) {
+    const cudaError_t err = configure_stream<false>();
+    if (err != cudaSuccess) return err;
+    topk_stream_kernel<false><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
+    return cudaSuccess;
+  }
+  const cudaError_t err = configure_stream<true>();
+  if (err != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)(grid * cluster), 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = sizeof(StreamShared);
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, topk_stream_kernel<true>, p);
 }
 
 // ---- The prefill kernel: a prefill chunk's rows (thousands of rows of 8K-1M columns; issue 27). The streaming
@@ -1605,7 +1702,7 @@ cudaError_t launch_routed(Params p, int cluster, int stream_grid, cudaStream_t s
   p.route = 2;
   if ((err = launch<KPT>(p, cluster, p.rows, r->side)) != cudaSuccess) return err;
   p.route = 1;
-  if ((err = launch_stream(p, stream_grid, stream)) != cudaSuccess) return err;
+  if ((err = launch_stream(p, stream_grid, 1, stream)) != cudaSuccess) return err;
   if ((err = cudaEventRecord(r->join, r->side)) != cudaSuccess) return err;
   return cudaStreamWaitEvent(stream, r->join, 0);
 }
@@ -1665,17 +1762,19 @@ int dsa_topk_routed_launch(const float* x, long long x_stride, int rows, int col
   return (int)cudaGetLastError();
 }
 
-// The streaming kernel (one CTA per row, `grid` CTAs looping over the rows): rows of at most
-// dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in shared memory.
+// The streaming kernel (`cluster` CTAs per row: 1, or 2 / 4 / 8 for the split pass; `grid` rows at a time, looping
+// over the rows): rows of at most dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in
+// shared memory per CTA.
 int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
 long long dsa_topk_stream_smem_bytes() { return (long long)sizeof(StreamShared); }
 
 int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
                            const int* ends, const int* block_table, long long bt_stride, const int* row_request,
-                           int* out, int grid, int aligned, void* stream) {
-  if (cols > kStreamMaxCols || grid < 1) return (int)cudaErrorInvalidValue;
+                           int* out, int grid, int cluster, int aligned, void* stream) {
+  if (cols > kStreamMaxCols || grid < 1 || (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8))
+    return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
-  const cudaError_t err = launch_stream(p, grid, (cudaStream_t)stream);
+  const cudaError_t err = launch_stream(p, grid, cluster, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
