@@ -1309,6 +1309,19 @@ template <int T>
 constexpr int prefill_unroll() { return T >= 512 ? 4 : 6; }
 constexpr int kPrefillSampleKeys = 8192;    // 2048 float4s spread over the row
 
+// A variant (1; benchmarks compare it): the candidate pass with no block barrier. Each warp appends its candidates to
+// its own segment of the buffer (kPrefillCap / warps slots), at positions from warp ballots, in a fixed order (step,
+// u, the float4's element, lane), so the output stays bitwise repeatable; each float4's register is reloaded with the
+// next step's float4 as soon as its keys are taken, so a thread keeps U loads in flight through the whole pass (the
+// shipped pass waits at a block scan per step with none in flight). The select reads each warp's own segment, the
+// ordered write goes out warp by warp. A warp whose segment overflows sends the row to the exact fallback, as a full
+// buffer does. ncu put the shipped kernel at 24% of DRAM bandwidth with three CTAs per SM at 1024 x 32K (166 us,
+// SGLang 82.8; docs/performance.md, issue 27).
+#ifndef DSA_TOPK_PREFILL_WARP_SLOTS
+#define DSA_TOPK_PREFILL_WARP_SLOTS 0
+#endif
+constexpr bool kPrefillWarpSlots = DSA_TOPK_PREFILL_WARP_SLOTS;
+
 template <int T>
 struct PrefillShared {
   int hist[2][kBins];
@@ -1316,6 +1329,7 @@ struct PrefillShared {
   int found[3];
   int warp_sum[2][T / 32];
   unsigned min_max[2][T / 32];  // per-warp min / max of a key set (block_min_max)
+  int warp_count[T / 32];       // DSA_TOPK_PREFILL_WARP_SLOTS: the candidates each warp appended
   union {
     struct {
       unsigned cand_key[kPrefillCap];
@@ -1406,6 +1420,54 @@ __device__ __forceinline__ int prefill_pass(const float* x_row, int base, int nv
   return taken;
 }
 
+// The warp-slot pass (DSA_TOPK_PREFILL_WARP_SLOTS): keys >= threshold (>= 1: never a padding key) to this warp's
+// segment of the candidates; returns the warp's count (uniform over the warp; slots past the segment are not written,
+// the count says so).
+template <int T>
+__device__ __forceinline__ int prefill_pass_by_warp(const float* x_row, int base, int nvec, int start, int end,
+                                                    int aligned, unsigned threshold, PrefillShared<T>& s,
+                                                    unsigned& lo, unsigned& hi) {
+  constexpr int U = prefill_unroll<T>();
+  constexpr int kSeg = kPrefillCap / (T / 32);
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  unsigned* seg_key = s.cand_key + warp * kSeg;
+  int* seg_col = s.cand_col + warp * kSeg;
+  const int steps = (nvec + T * U - 1) / (T * U);  // uniform over the block
+  auto load = [&](int v) {
+    return v < nvec ? raw_load4(x_row, base + 4 * v, start, end, aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  float4 q[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) q[u] = load(u * T + t);
+  int count = 0;
+  for (int step = 0; step < steps; ++step) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = step * T * U + u * T + t;
+      unsigned key[4];  // columns past the window get key 0
+      keys4(q[u], base + 4 * v, start, end, key);
+      if (step + 1 < steps) q[u] = load(v + T * U);  // in flight while this step's other keys are taken
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool take = key[i] >= threshold;
+        const unsigned taken = __ballot_sync(0xffffffffu, take);
+        if (take) {
+          const int pos = count + __popc(taken & lanes_below);
+          if (pos < kSeg) {
+            seg_key[pos] = key[i];
+            seg_col[pos] = base + 4 * v + i;
+          }
+          lo = min(lo, key[i]);
+          hi = max(hi, key[i]);
+        }
+        count += __popc(taken);
+      }
+    }
+  }
+  return count;
+}
+
 template <int T, int MIN_BLOCKS>
 __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char prefill_smem[];
@@ -1432,7 +1494,8 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     // ---- 1. the threshold: every column when the window fits the candidates, else from a sample
     int level = 0, bin, need, count;
     unsigned threshold = 1u;  // key 0 marks padding, never a candidate
-    if (width > kPrefillCap) {
+    // (warp slots: every warp's share of a row of <= kPrefillCap / 4 float4s fits its segment)
+    if (kPrefillWarpSlots ? nvec > kPrefillCap / 4 : width > kPrefillCap) {
       constexpr int kVecs = kPrefillSampleKeys / 4 / T;  // sampled float4s per thread
       // The threshold aims at `target` candidates, 2 k for k <= 2048 (4096: as far, relative to its own spread,
       // from the k it must reach as from the capacity it must not pass), the midpoint of k and the capacity above.
@@ -1495,21 +1558,42 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     }
 
     // ---- 2. one pass: keys >= threshold, in the fixed order, to the candidates
+    constexpr int kSeg = kPrefillCap / (T / 32);  // warp slots: each warp's segment
+    const int lane = t & 31, warp = t >> 5;
     unsigned cand_lo = 0xffffffffu, cand_hi = 0u;
-    const int n_cand = prefill_pass<T>(
-        x_row, base, nvec, start, end, p.aligned, s, [&](unsigned kk, int) { return kk >= threshold; },
-        [&](int slot, unsigned kk, int c) {
-          if (slot < kPrefillCap) {
-            s.cand_key[slot] = kk;
-            s.cand_col[slot] = c;
-          }
-        },
-        cand_lo, cand_hi);
-    const bool fast = n_cand >= p.k && n_cand <= kPrefillCap;  // uniform; else the exact select over the row
-    block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates are complete
+    int n_cand = 0, warp_cand = 0;
+    if (kPrefillWarpSlots) {
+      warp_cand = prefill_pass_by_warp<T>(x_row, base, nvec, start, end, p.aligned, threshold, s, cand_lo, cand_hi);
+      if (lane == 0) s.warp_count[warp] = warp_cand;
+    } else {
+      n_cand = prefill_pass<T>(
+          x_row, base, nvec, start, end, p.aligned, s, [&](unsigned kk, int) { return kk >= threshold; },
+          [&](int slot, unsigned kk, int c) {
+            if (slot < kPrefillCap) {
+              s.cand_key[slot] = kk;
+              s.cand_col[slot] = c;
+            }
+          },
+          cand_lo, cand_hi);
+    }
+    block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates (and the warps' counts) are complete
+    bool fast;  // uniform; else the exact select over the row
+    if (kPrefillWarpSlots) {
+      int fullest = 0;
+#pragma unroll
+      for (int w = 0; w < T / 32; ++w) {
+        n_cand += s.warp_count[w];
+        fullest = max(fullest, s.warp_count[w]);
+      }
+      fast = n_cand >= p.k && fullest <= kSeg;
+    } else {
+      fast = n_cand >= p.k && n_cand <= kPrefillCap;
+    }
 
     auto for_each_key = [&](auto&& f) {
-      if (fast) {
+      if (fast && kPrefillWarpSlots) {  // each warp its own segment
+        for (int j = warp * kSeg + lane; j < warp * kSeg + warp_cand; j += 32) f(s.cand_key[j], s.cand_col[j]);
+      } else if (fast) {
         for (int i = t; i < n_cand; i += T) f(s.cand_key[i], s.cand_col[i]);
       } else {
         for (int v = t; v < nvec; v += T) {
@@ -1579,9 +1663,10 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     if (fast) {
       // Warp w owns candidate slots [w * per, (w + 1) * per), read 32 consecutive slots at a time (no bank
       // conflicts); its selected keys go out in slot order after the lower warps' (one block scan of the counts).
-      const int lane = t & 31, warp = t >> 5;
+      // (warp slots: warp w's own segment, in its slot order)
       const int per = ((n_cand + T - 1) / T) * 32;
-      const int i0 = warp * per, i1 = min(n_cand, i0 + per);
+      const int i0 = kPrefillWarpSlots ? warp * kSeg : warp * per;
+      const int i1 = kPrefillWarpSlots ? i0 + warp_cand : min(n_cand, i0 + per);
       int mine = 0;
       for (int i = i0 + lane; i - lane < i1; i += 32) {
         const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
