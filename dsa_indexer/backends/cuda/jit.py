@@ -6,8 +6,9 @@ stream (`dsa_indexer.backends.cuda.topk`). So the build needs nvcc and a host co
 extension toolchain or ninja, and the library does not depend on torch's C++ ABI.
 
 Cache: ``$DSA_INDEXER_CACHE_DIR`` (default ``~/.cache/dsa_indexer``) ``/cuda/<name>-sm<arch>-<hash>.so``; the hash
-covers the source text, the flags and nvcc's version, so an edited kernel or another toolkit rebuilds. A build
-writes to a temporary file and renames it into place, so concurrent processes never load a half-written file.
+covers the source text, csrc/'s headers (``*.cuh``), the flags and nvcc's version, so an edited kernel or header or
+another toolkit rebuilds. A build writes to a temporary file and renames it into place, so concurrent processes never
+load a half-written file.
 
 Knobs: ``CUDA_HOME`` / ``CUDA_PATH`` (where nvcc lives; else ``nvcc`` on PATH, else /usr/local/cuda),
 ``DSA_INDEXER_CCBIN`` (nvcc's host compiler, ``-ccbin``), ``DSA_INDEXER_CACHE_DIR``.
@@ -96,7 +97,8 @@ def build(source: str, capability: tuple[int, int], defines: tuple[str, ...] = (
     ccbin = os.environ.get(CCBIN_ENV)
     if ccbin:
         flags += ["-ccbin", ccbin]
-    digest = hashlib.sha256(src.read_bytes() + "\0".join(flags + [version]).encode()).hexdigest()[:16]
+    headers = b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in sorted(CSRC.glob("*.cuh")))
+    digest = hashlib.sha256(src.read_bytes() + headers + "\0".join(flags + [version]).encode()).hexdigest()[:16]
     major, minor = capability
     out = cache_dir() / f"{src.stem}-sm{major}{minor}-{digest}.so"
     if out.exists():

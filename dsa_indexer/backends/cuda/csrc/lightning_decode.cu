@@ -25,6 +25,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cluster_launch.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -401,19 +403,8 @@ int dsa_lightning_decode_launch(const void* q, const void* kv, const float* weig
   cudaError_t err = cudaFuncSetAttribute(lightning_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem);
   if (err != cudaSuccess) return (int)err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)(rows * cluster), 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = (size_t)smem;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, lightning_decode_kernel, p);
+  err = launch_in_clusters(lightning_decode_kernel, dim3((unsigned)(rows * cluster), 1, 1), kThreads,
+                           (unsigned)cluster, (size_t)smem, static_cast<cudaStream_t>(stream), p);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }

@@ -25,6 +25,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "cluster_launch.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -557,19 +559,8 @@ int dsa_topk_launch(const float* x, long long x_stride, int rows, int cols, int 
     if (err != cudaSuccess) return (int)err;
     done = smem;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)cluster, (unsigned)min(rows, max_grid_rows), 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = smem;
-  config.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, kernel, p);
+  err = launch_in_clusters(kernel, dim3((unsigned)cluster, (unsigned)min(rows, max_grid_rows), 1), kThreads,
+                           (unsigned)cluster, (size_t)smem, (cudaStream_t)stream, p);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }

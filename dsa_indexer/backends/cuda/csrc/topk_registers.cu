@@ -34,6 +34,8 @@
 #include <stdint.h>
 #include <cstdio>
 
+#include "cluster_launch.cuh"
+
 namespace cg = cooperative_groups;
 
 namespace {
@@ -1275,19 +1277,8 @@ cudaError_t launch_stream(const Params& p, int grid, int cluster, cudaStream_t s
   }
   const cudaError_t err = configure_stream<true>();
   if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)(grid * cluster), 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = sizeof(StreamShared);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, topk_stream_kernel<true>, p);
+  return launch_in_clusters(topk_stream_kernel<true>, dim3((unsigned)(grid * cluster), 1, 1), kThreads,
+                            (unsigned)cluster, sizeof(StreamShared), stream, p);
 }
 
 // ---- The prefill kernel: a prefill chunk's rows (thousands of rows of 8K-1M columns; issue 27). The streaming
@@ -1737,19 +1728,8 @@ cudaError_t launch(const Params& p, int cluster, int grid_rows, cudaStream_t str
       allowed = true;
     }
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)cluster, (unsigned)grid_rows, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, topk_registers_kernel<KPT>, p);
+  return launch_in_clusters(topk_registers_kernel<KPT>, dim3((unsigned)cluster, (unsigned)grid_rows, 1), kThreads,
+                            (unsigned)cluster, 0, stream, p);
 }
 
 // A routed launch's second stream and its fork / join events, one set per host thread and device (created at first
