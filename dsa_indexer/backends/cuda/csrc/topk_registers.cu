@@ -110,7 +110,9 @@ struct Shared {
   int found[3];        // bin, k remaining within it, its count
   int cta_total;       // selected in this CTA (read by the higher-ranked peers)
   int cta_base;        // the lower-ranked peers' selected (summed by warp 0)
-  int peer_sums[16 * kBins / 32];  // find_bin past kPeersByWarpFrom CTAs: the peers' group sums, then bins
+  // find_bin past kPeersByWarpFrom CTAs: the peers' group sums (read and written as int2: 8-byte aligned; after
+  // cta_total and cta_base it fell on a 4-byte boundary, a misaligned address on the H100 at 9 CTAs per row)
+  alignas(16) int peer_sums[16 * kBins / 32];
 };
 
 __device__ __forceinline__ unsigned order_key(float value) {
