@@ -32,6 +32,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <cstddef>
 #include <cstdio>
 
 #include "cluster_launch.cuh"
@@ -114,6 +115,11 @@ struct Shared {
   // cta_total and cta_base it fell on a 4-byte boundary, a misaligned address on the H100 at 9 CTAs per row)
   alignas(16) int peer_sums[16 * kBins / 32];
 };
+// The fields find_bin reads and writes as int2 / int4 (a misaligned one faults only on the GPU): checked where the
+// layout is fixed, so any build catches a field added in front of them
+static_assert(offsetof(Shared, hist) % 16 == 0 && offsetof(Shared, group) % 16 == 0 &&
+                  offsetof(Shared, peer_sums) % 16 == 0,
+              "Shared's vector-accessed fields must be 16-byte aligned");
 
 __device__ __forceinline__ unsigned order_key(float value) {
   unsigned u = __float_as_uint(value);
@@ -1335,6 +1341,9 @@ struct PrefillShared {
 // Exclusive block scan of `mine` (the step's warp sums in warp_sum[parity]): the thread's offset among the
 // block's, and the block's total. One barrier: the other parity's buffer is written by the next step, and every
 // thread has read this one before it passes that step's barrier.
+static_assert(offsetof(PrefillShared<256>, group) % 16 == 0 && offsetof(PrefillShared<512>, group) % 16 == 0,
+              "block_find_bin reads the group sums as int2");
+
 template <int T>
 __device__ __forceinline__ int prefill_scan(int mine, PrefillShared<T>& s, int parity, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
