@@ -114,8 +114,9 @@ def test_a_register_variant_loads_its_own_build_and_goes_back(monkeypatch):
     loaded = []
     fake = types.SimpleNamespace(**{name: types.SimpleNamespace() for name in (
         "dsa_topk_registers_launch", "dsa_topk_registers_chunk", "dsa_topk_routed_launch", "dsa_topk_stream_launch",
-        "dsa_topk_stream_max_cols", "dsa_topk_stream_smem_bytes", "dsa_topk_prefill_launch",
-        "dsa_topk_prefill_max_cols", "dsa_topk_prefill_blocks_per_sm", "dsa_topk_registers_error_string")})
+        "dsa_topk_stream_max_cols", "dsa_topk_stream_max_cluster", "dsa_topk_stream_smem_bytes",
+        "dsa_topk_prefill_launch", "dsa_topk_prefill_max_cols", "dsa_topk_prefill_blocks_per_sm",
+        "dsa_topk_registers_error_string")})
     monkeypatch.setattr(jit, "load", lambda source, capability, defines=(): loaded.append((source, defines)) or fake)
     try:
         cuda_topk.use_register_variant(("DSA_TOPK_SOLO_WINDOW=1",))
@@ -204,8 +205,8 @@ def test_many_rows_at_v4_k_512_stream_from_32k_columns(width_plans, rows, cols):
 
 
 @pytest.mark.parametrize("rows,cols,cluster", [(32, 163840, 4), (64, 131072, 2), (128, 131072, 1), (16, 65537, 8),
-                                               (33, 131072, 4), (34, 131072, 2), (66, 131072, 2), (67, 131072, 1), (32, 16384, 1),
-                                               (128, 8192, 1)])
+                                               (33, 131072, 4), (34, 131072, 2), (66, 131072, 2), (67, 131072, 1),
+                                               (32, 16384, 1), (128, 8192, 1)])
 def test_split_stream_plan_fills_one_wave(width_plans, monkeypatch, rows, cols, cluster):
     """SPLIT_STREAM on: a streaming launch of rows longer than one CTA holds takes the most CTAs per row (2 / 4 /
     8) that keep rows x CTAs within the SMs; rows one CTA holds (<= 16K columns) keep one CTA each."""

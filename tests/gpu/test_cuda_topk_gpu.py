@@ -353,6 +353,13 @@ def test_clusters_looping_over_rows_of_different_groups(kernel_ready):
     assert torch.equal(got[probe].sort(dim=1).values, want.sort(dim=1).values)
 
 
+def test_split_pass_clusters_fit_this_gpu(kernel_ready):
+    """The split pass's cap, the most CTAs per row whose clusters this GPU co-schedules (one CTA per SM with the
+    streaming kernel's shared memory), is 8 on the H100 / H200 (GPCs of more than 8 SMs): the split plans the other
+    tests force run as asked, not clamped."""
+    assert cuda_topk._stream_max_cluster(torch.cuda.get_device_capability()) == 8
+
+
 @pytest.mark.parametrize("split", [None, 4])
 def test_padded_graph_replays_other_lengths(kernel_ready, split, monkeypatch):
     """A graph captured at one batch of lengths stays right when replayed with others (the routing is read on

@@ -132,6 +132,7 @@ def use_register_variant(defines: tuple[str, ...] = ()) -> None:
     REGISTER_DEFINES = tuple(defines)
     _registers_library.cache_clear()
     _prefill_blocks_per_sm.cache_clear()
+    _stream_max_cluster.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +149,7 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
     lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
+    lib.dsa_topk_stream_max_cluster.restype = ctypes.c_int
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_prefill_launch.restype = ctypes.c_int
     lib.dsa_topk_prefill_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
@@ -275,6 +277,12 @@ def _prefill_blocks_per_sm(capability: tuple[int, int], threads: int) -> int:
     return int(_registers_library(capability).dsa_topk_prefill_blocks_per_sm(threads))
 
 
+@functools.lru_cache(maxsize=None)
+def _stream_max_cluster(capability: tuple[int, int]) -> int:
+    """The most CTAs per row of the streaming kernel's split pass this GPU co-schedules (queried once)."""
+    return int(_registers_library(capability).dsa_topk_stream_max_cluster())
+
+
 def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:
     return lib.dsa_topk_smem_bytes(chunk_cols) <= optin
 
@@ -339,7 +347,8 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
-        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), launch.cluster, int(vec == 4), stream)
+        cluster = min(launch.cluster, _stream_max_cluster(capability))  # what this GPU co-schedules (exact either way)
+        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
         lib = _registers_library(capability)

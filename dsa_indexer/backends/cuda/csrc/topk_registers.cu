@@ -1842,6 +1842,23 @@ int dsa_topk_routed_launch(const float* x, long long x_stride, int rows, int col
 // over the rows): rows of at most dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in
 // shared memory per CTA.
 int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
+
+// The most CTAs per row (8, 4 or 2) whose clusters of the split pass this GPU can co-schedule (one CTA per SM with
+// its shared memory; a GPC holds the cluster), else 1: the split plan is capped by it.
+int dsa_topk_stream_max_cluster() {
+  if (configure_stream<true>() != cudaSuccess) return 1;
+  for (int cluster = 8; cluster >= 2; cluster /= 2) {
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads,
+                                                            (unsigned)cluster, sizeof(StreamShared), nullptr, attr);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true>, &config) == cudaSuccess &&
+        clusters > 0)
+      return cluster;
+  }
+  (void)cudaGetLastError();  // a refused query leaves no error for the next launch to report
+  return 1;
+}
 long long dsa_topk_stream_smem_bytes() { return (long long)sizeof(StreamShared); }
 
 int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
