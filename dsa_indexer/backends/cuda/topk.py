@@ -347,7 +347,9 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
-        cluster = min(launch.cluster, _stream_max_cluster(capability))  # what this GPU co-schedules (exact either way)
+        cluster = launch.cluster  # capped by what this GPU co-schedules (exact either way); one CTA needs no query
+        if cluster > 1:
+            cluster = min(cluster, _stream_max_cluster(capability))
         err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
