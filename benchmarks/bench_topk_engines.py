@@ -115,21 +115,35 @@ def cells(args):
 
 
 def ours(cuda_topk, args, logits, ends, k, width, sms):
-    """This library's top-k: the planned launch, and with --plans the launches it chooses between."""
+    """This library's top-k: the planned launch, with --plans the launches it chooses between, and each of those
+    again from every --variant build."""
     impls = {"cuda.radix": lambda: cuda_topk.topk_indices(logits, k, ends)}
-    for variant in args.variant:  # the same planned launch from another build of the register kernels
+    if args.plans:
+        impls.update(other_plans(cuda_topk, logits, ends, k, width, sms))
+    for variant in args.variant:  # the same launches from another build of the register kernels
         name, _, defines = variant.partition("=")
+        for label, fn in list(impls.items()):
+            if "[" in label or "grid" in label or "trimmed" in label:
+                continue  # variants of variants; grids and trims, which a build does not change
 
-        def from_variant(defines=tuple(defines.split(","))):
-            cuda_topk.use_register_variant(defines)
-            try:
-                return cuda_topk.topk_indices(logits, k, ends)
-            finally:
-                cuda_topk.use_register_variant()
+            def from_variant(fn=fn, defines=tuple(defines.split(","))):
+                cuda_topk.use_register_variant(defines)
+                try:
+                    return fn()
+                finally:
+                    cuda_topk.use_register_variant()
 
-        impls[f"cuda.radix [{name}]"] = from_variant
-    if not args.plans:
-        return impls
+            impls[f"{label} [{name}]"] = from_variant
+    return impls
+
+
+def other_plans(cuda_topk, logits, ends, k, width, sms):
+    """The launches the plan chooses between, besides the one it chose (--plans)."""
+    impls = {}
+    rows = logits.shape[0]
+
+    def forced(plan):
+        return lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, plan)
 
     def packed():
         saved, cuda_topk.PACK_ROWS = cuda_topk.PACK_ROWS, not cuda_topk.PACK_ROWS
@@ -139,26 +153,25 @@ def ours(cuda_topk, args, logits, ends, k, width, sms):
             cuda_topk.PACK_ROWS = saved
 
     impls["cuda.radix packed grid" if not cuda_topk.PACK_ROWS else "cuda.radix unpacked grid"] = packed
-    planned = cuda_topk.plan_for(logits.shape[0], width, sms, 4, k)
-    reg = cuda_topk.register_plan(logits.shape[0], width, sms)
+    planned = cuda_topk.plan_for(rows, width, sms, 4, k)
+    reg = cuda_topk.register_plan(rows, width, sms)
     if reg is not None and (planned is None or planned.kernel != "registers"):
         alt = cuda_topk.Plan("registers", *reg)
-        impls[f"cuda.radix registers x{alt.cluster} keys{alt.per_cta}"] = (
-            lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, alt))
+        impls[f"cuda.radix registers x{alt.cluster} keys{alt.per_cta}"] = forced(alt)
     if (reg is not None and (planned is None or planned.kernel != "routed")
             and cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS):
         routed = cuda_topk.Plan("routed", *reg)
-        impls[f"cuda.radix routed x{routed.cluster} keys{routed.per_cta}"] = (
-            lambda: cuda_topk.run_plan(logits, k, ends, None, None, None, routed))
+        impls[f"cuda.radix routed x{routed.cluster} keys{routed.per_cta}"] = forced(routed)
     if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
-        impls["cuda.radix stream"] = lambda: cuda_topk.run_plan(logits, k, ends, None, None, None,
-                                                                cuda_topk.Plan("stream", 1, 0))
+        impls["cuda.radix stream"] = forced(cuda_topk.Plan("stream", 1, 0))
     if cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS:  # the split pass, within one wave
         for cluster in cuda_topk.STREAM_CLUSTERS[1:]:
             split = cuda_topk.Plan("stream", cluster, 0)
-            if split != planned and logits.shape[0] * cluster <= sms:
-                impls[f"cuda.radix stream x{cluster}"] = (
-                    lambda split=split: cuda_topk.run_plan(logits, k, ends, None, None, None, split))
+            if split != planned and rows * cluster <= sms:
+                impls[f"cuda.radix stream x{cluster}"] = forced(split)
+    # the prefill kernel (CTAs looping over rows) where there are rows for every SM
+    if (planned is None or planned.kernel != "prefill") and rows >= sms and width < cuda_topk.PREFILL_MAX_COLS:
+        impls["cuda.radix prefill"] = forced(cuda_topk.Plan("prefill", 1, cuda_topk.PREFILL_THREADS))
     longest = int(ends.max())
     if longest < width:  # what a host bound on the lengths (vLLM's max_seq_len) would give: the plan of the longest
         trimmed = logits[:, :longest]

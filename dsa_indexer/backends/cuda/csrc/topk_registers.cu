@@ -1321,6 +1321,18 @@ constexpr int kPrefillSampleKeys = 8192;    // 2048 float4s spread over the row
 #endif
 constexpr bool kPrefillWarpSlots = DSA_TOPK_PREFILL_WARP_SLOTS;
 
+// A variant (1; benchmarks compare it): a row of up to 2 x kPrefillCap columns (8K decode-length rows of a prefill
+// chunk, V4's compressed rows) keeps every column, its keys only, at the slot of its column (column = base + slot,
+// so no column is stored and no scan assigns slots): the pass issues its loads and stores the keys with no block
+// barrier, skipping the sample (which, at 8K columns, reads as many keys as the row has). The select and the ordered
+// write read those slots in column order. The aim: 1024 rows x 8K (the register kernel's 1 CTA per row, four waves,
+// 48.4 us; SGLang 29.6), taken here three CTAs per SM, one row's select beside other rows' loads.
+#ifndef DSA_TOPK_PREFILL_KEEP_ALL
+#define DSA_TOPK_PREFILL_KEEP_ALL 0
+#endif
+constexpr bool kPrefillKeepAll = DSA_TOPK_PREFILL_KEEP_ALL;
+constexpr int kPrefillKeepAllCols = 2 * kPrefillCap;  // keys of the candidates' key and column arrays together
+
 template <int T>
 struct PrefillShared {
   int hist[2][kBins];
@@ -1335,6 +1347,7 @@ struct PrefillShared {
       int cand_col[kPrefillCap];
     };
     unsigned sample[kPrefillSampleKeys];  // the sampled keys, before any candidate is written
+    unsigned row_key[kPrefillKeepAllCols];  // DSA_TOPK_PREFILL_KEEP_ALL: key of column base + slot
   };
 };
 
@@ -1491,13 +1504,14 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     const float* x_row = p.x + (long long)row * p.x_stride;
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
+    const bool keep_all = kPrefillKeepAll && nvec <= kPrefillKeepAllCols / 4;  // uniform
     for (int j = t; j < kBins / 4; j += T) reinterpret_cast<int4*>(s.hist[0])[j] = make_int4(0, 0, 0, 0);
 
     // ---- 1. the threshold: every column when the window fits the candidates, else from a sample
     int level = 0, bin, need, count;
     unsigned threshold = 1u;  // key 0 marks padding, never a candidate
     // (warp slots: every warp's share of a row of <= kPrefillCap / 4 float4s fits its segment)
-    if (kPrefillWarpSlots ? nvec > kPrefillCap / 4 : width > kPrefillCap) {
+    if (!keep_all && (kPrefillWarpSlots ? nvec > kPrefillCap / 4 : width > kPrefillCap)) {
       constexpr int kVecs = kPrefillSampleKeys / 4 / T;  // sampled float4s per thread
       // The threshold aims at `target` candidates, 2 k for k <= 2048 (4096: as far, relative to its own spread,
       // from the k it must reach as from the capacity it must not pass), the midpoint of k and the capacity above.
@@ -1564,7 +1578,34 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     const int lane = t & 31, warp = t >> 5;
     unsigned cand_lo = 0xffffffffu, cand_hi = 0u;
     int n_cand = 0, warp_cand = 0;
-    if (kPrefillWarpSlots) {
+    const bool by_warp = kPrefillWarpSlots && !keep_all;  // uniform
+    if (keep_all) {  // every column's key at its slot: loads in flight together, no barrier
+      constexpr int U = prefill_unroll<T>();
+      for (int v0 = 0; v0 < nvec; v0 += T * U) {
+        float4 q[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = v0 + u * T + t;
+          q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int v = v0 + u * T + t;
+          if (v < nvec) {
+            unsigned key[4];  // columns past the window get key 0
+            keys4(q[u], base + 4 * v, start, end, key);
+            reinterpret_cast<uint4*>(s.row_key)[v] = make_uint4(key[0], key[1], key[2], key[3]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              if (key[i] != 0u) {
+                cand_lo = min(cand_lo, key[i]);
+                cand_hi = max(cand_hi, key[i]);
+              }
+          }
+        }
+      }
+      n_cand = 4 * nvec;  // slots, the window's columns among them
+    } else if (by_warp) {
       warp_cand = prefill_pass_by_warp<T>(x_row, base, nvec, start, end, p.aligned, threshold, s, cand_lo, cand_hi);
       if (lane == 0) s.warp_count[warp] = warp_cand;
     } else {
@@ -1580,7 +1621,9 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     }
     block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates (and the warps' counts) are complete
     bool fast;  // uniform; else the exact select over the row
-    if (kPrefillWarpSlots) {
+    if (keep_all) {
+      fast = true;
+    } else if (by_warp) {
       int fullest = 0;
 #pragma unroll
       for (int w = 0; w < T / 32; ++w) {
@@ -1593,7 +1636,16 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     }
 
     auto for_each_key = [&](auto&& f) {
-      if (fast && kPrefillWarpSlots) {  // each warp its own segment
+      if (keep_all) {  // the slots in column order, four keys per shared-memory read
+        for (int v = t; v < nvec; v += T) {
+          const uint4 kk = reinterpret_cast<const uint4*>(s.row_key)[v];
+          const int c0 = base + 4 * v;
+          f(kk.x, c0);
+          f(kk.y, c0 + 1);
+          f(kk.z, c0 + 2);
+          f(kk.w, c0 + 3);
+        }
+      } else if (fast && by_warp) {  // each warp its own segment
         for (int j = warp * kSeg + lane; j < warp * kSeg + warp_cand; j += 32) f(s.cand_key[j], s.cand_col[j]);
       } else if (fast) {
         for (int i = t; i < n_cand; i += T) f(s.cand_key[i], s.cand_col[i]);
@@ -1667,11 +1719,14 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
       // conflicts); its selected keys go out in slot order after the lower warps' (one block scan of the counts).
       // (warp slots: warp w's own segment, in its slot order)
       const int per = ((n_cand + T - 1) / T) * 32;
-      const int i0 = kPrefillWarpSlots ? warp * kSeg : warp * per;
-      const int i1 = kPrefillWarpSlots ? i0 + warp_cand : min(n_cand, i0 + per);
+      const int i0 = by_warp ? warp * kSeg : warp * per;
+      const int i1 = by_warp ? i0 + warp_cand : min(n_cand, i0 + per);
+      // (keep all: slot i holds column base + i, its key in row_key)
+      auto key_at = [&](int i) { return keep_all ? s.row_key[i] : s.cand_key[i]; };
+      auto col_at = [&](int i) { return keep_all ? base + i : s.cand_col[i]; };
       int mine = 0;
       for (int i = i0 + lane; i - lane < i1; i += 32) {
-        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
+        const bool sel = i < i1 && selected(key_at(i), col_at(i));
         mine += __popc(__ballot_sync(0xffffffffu, sel));
       }
       int total;
@@ -1679,9 +1734,9 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
       slot = __shfl_sync(0xffffffffu, slot, 0);
       const unsigned lanes_below = (1u << lane) - 1u;
       for (int i = i0 + lane; i - lane < i1; i += 32) {
-        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
+        const bool sel = i < i1 && selected(key_at(i), col_at(i));
         const unsigned mask = __ballot_sync(0xffffffffu, sel);
-        if (sel) out_row[slot + __popc(mask & lanes_below)] = out_value(s.cand_col[i] - start, req, p);
+        if (sel) out_row[slot + __popc(mask & lanes_below)] = out_value(col_at(i) - start, req, p);
         slot += __popc(mask);
       }
     } else {
