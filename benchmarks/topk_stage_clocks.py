@@ -1,12 +1,16 @@
 """Where one row's register select spends its time: the SM-clock stamps of a `DSA_TOPK_STAGE_CLOCKS` build.
 
-    python3 benchmarks/topk_stage_clocks.py --out OUT.json DSA_TOPK_STAGE_CLOCKS=1 DSA_TOPK_STAGE_CLOCKS=1,OTHER=1 ...
+    python3 benchmarks/topk_stage_clocks.py --out OUT.json [--cells BxLxWxK ...] DSA_TOPK_STAGE_CLOCKS=1 \
+        DSA_TOPK_STAGE_CLOCKS=1,OTHER=1 ...
 
 Each argument is a comma-separated list of defines for a build of `csrc/topk_registers.cu`; with the stage-clock probe
 on, the first CTA of a launch prints the SM cycles between the stages of its first row's select (entry, keys loaded,
 each radix level, the selection and scan, the ordered write; "KPT -1": a row the streaming kernel streams, whose
-stamps are entry, the sample's threshold, the pass, each radix level over the candidates, the bitmap's ordered write). Each cell runs three times eagerly after a 256 MiB L2
-flush, on real V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right
+stamps are entry, the sample's threshold, the pass, each radix level over the candidates, the bitmap's ordered write;
+"KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells 1024x32768x32768x2048), whose
+stamps are entry, the threshold (sampled, or none for a row kept whole), the candidate pass, each radix level, the
+ordered write, of the first CTA's first row; "KPT -3": the same for a row kept whole at implied slots,
+DSA_TOPK_PREFILL_KEEP_ALL). Each cell runs three times eagerly after a 256 MiB L2 flush, on real V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right
 (the probe only reads the clock).
 """
 
@@ -28,7 +32,7 @@ LINE = re.compile(r"\[(?P<variant>[^\]]*)\] B=(?P<b>\d+) L=(?P<l>\d+) W=(?P<w>\d
                   r"(?P<stages>[ \d]*)")
 
 
-def child(variants: list[str]) -> None:
+def child(variants: list[str], cells: list[tuple[int, int, int, int]]) -> None:
     """Runs every cell under every build; the kernels' printf lines follow each cell's header on stdout."""
     import torch
 
@@ -40,9 +44,9 @@ def child(variants: list[str]) -> None:
     dev = torch.device("cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     makers = {}
-    for batch, length, width, k in CELLS:
+    for batch, length, width, k in cells:
         if batch not in makers:
-            makers[batch] = real_logits(batch, max(length for b, length, _, _ in CELLS if b == batch), dev)
+            makers[batch] = real_logits(batch, max(length for b, length, _, _ in cells if b == batch), dev)
         logits = makers[batch](length)
         if width > length:  # a padded row: columns past its end hold a value above every real logit
             padded = torch.full((batch, width), 1e30, device=dev)
@@ -61,18 +65,29 @@ def child(variants: list[str]) -> None:
         cuda_topk.use_register_variant()
 
 
+def cell(text: str) -> tuple[int, int, int, int]:
+    """"BxLxWxK" -> (rows, valid length, width, k)."""
+    parts = text.split("x")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"a cell is rows x length x width x k, e.g. 1024x32768x32768x2048: {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cells", nargs="+", type=cell, default=CELLS, metavar="BxLxWxK",
+                        help="rows x valid length x width x k of each cell (default: the decode cells above)")
     parser.add_argument("variants", nargs="+", help="comma-separated defines of each build (include "
                                                     "DSA_TOPK_STAGE_CLOCKS=1)")
     args = parser.parse_args(argv)
     if args.child:
-        child(args.variants)
+        child(args.variants, args.cells)
         return 0
     # The kernels' printf goes to the process's stdout: run the cells in a child and parse what it printed.
-    run = subprocess.run([sys.executable, __file__, "--out", args.out, "--child", *args.variants],
+    cell_args = ["--cells", *("x".join(map(str, c)) for c in args.cells)]
+    run = subprocess.run([sys.executable, __file__, "--out", args.out, "--child", *cell_args, "--", *args.variants],
                          capture_output=True, text=True, env=os.environ.copy())
     records = []
     for m in LINE.finditer(run.stdout):
@@ -81,7 +96,7 @@ def main(argv=None) -> int:
                         "cluster": int(m["csize"]), "levels": int(m["levels"]), "total_cycles": int(m["total"]),
                         "stage_cycles": [int(x) for x in m["stages"].split()]})
     Path(args.out).write_text(json.dumps({"command": " ".join(["python3", "benchmarks/topk_stage_clocks.py",
-                                                               "--out", args.out, *args.variants]),
+                                                               "--out", args.out, *cell_args, *args.variants]),
                                           "stages": "entry -> keys loaded -> each radix level -> selection and scan "
                                                     "-> ordered write (cycles between stamps)",
                                           "records": records}, indent=1) + "\n")

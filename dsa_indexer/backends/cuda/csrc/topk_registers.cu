@@ -199,8 +199,8 @@ __device__ __forceinline__ void stage_clock() {
   if (n < kMaxStages) stage_stamps[n] = clock64();
   stage_stamps[kStampCount] = n + 1;
 }
-__device__ __forceinline__ void first_stage_clock() {
-  if (kStageClocks && threadIdx.x == 0) stage_stamps[kStampCount] = 0;
+__device__ __forceinline__ void first_stage_clock() {  // a row's start (a CTA's later rows leave the stamps be)
+  if (kStageClocks && threadIdx.x == 0 && stage_stamps[kStampDone] == 0) stage_stamps[kStampCount] = 0;
   stage_clock();
 }
 __device__ __forceinline__ void last_stage_clock(int kpt, int csize, int level) {
@@ -1489,6 +1489,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
   PrefillShared<T>& s = *reinterpret_cast<PrefillShared<T>*>(prefill_smem);
   const int t = threadIdx.x;
   constexpr unsigned kColMask = (1u << kPrefillColBits) - 1u;
+  init_stage_clocks();
 
   for (int row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int end = p.ends[row];
@@ -1504,6 +1505,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     const float* x_row = p.x + (long long)row * p.x_stride;
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
+    first_stage_clock();  // (the probe: the stages of this CTA's first row that reaches the select)
     const bool keep_all = kPrefillKeepAll && nvec <= kPrefillKeepAllCols / 4;  // uniform
     for (int j = t; j < kBins / 4; j += T) reinterpret_cast<int4*>(s.hist[0])[j] = make_int4(0, 0, 0, 0);
 
@@ -1572,6 +1574,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     } else {
       __syncthreads();  // the cleared histogram
     }
+    stage_clock();
 
     // ---- 2. one pass: keys >= threshold, in the fixed order, to the candidates
     constexpr int kSeg = kPrefillCap / (T / 32);  // warp slots: each warp's segment
@@ -1620,6 +1623,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
           cand_lo, cand_hi);
     }
     block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates (and the warps' counts) are complete
+    stage_clock();
     bool fast;  // uniform; else the exact select over the row
     if (keep_all) {
       fast = true;
@@ -1675,6 +1679,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
         if (kk != 0u && (shift >= 32 || (kk >> shift) == prefix)) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       });
       block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+      stage_clock();
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
       shift = nshift;
@@ -1699,6 +1704,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
           }
         });
         block_find_bin<T>(h, s.hist[(level + 1) & 1], k_rem, s, bin, need, count);
+        stage_clock();
         ++level;
         prefix2 = (shift2 >= kPrefillColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
         shift2 = nshift;
@@ -1749,7 +1755,9 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
           unused_lo, unused_hi);
     }
     __syncthreads();  // histograms, candidates and warp sums are reused by the next row
+    last_stage_clock(keep_all ? -3 : -2, 1, level);
   }
+  print_stage_clocks();
 }
 
 template <int T, int MIN_BLOCKS>
