@@ -169,6 +169,11 @@ def other_plans(cuda_topk, logits, ends, k, width, sms):
             split = cuda_topk.Plan("stream", cluster, 0)
             if split != planned and rows * cluster <= sms:
                 impls[f"cuda.radix stream x{cluster}"] = forced(split)
+    if width <= cuda_topk.STREAM_MAX_COLS:  # the dense streaming kernel (two CTAs per SM), within one wave of them
+        for cluster in cuda_topk.STREAM_CLUSTERS:
+            dense = cuda_topk.Plan("stream", cluster, cuda_topk.STREAM_DENSE)
+            if dense != planned and sms < rows * cluster <= 2 * sms:
+                impls[f"cuda.radix stream{f' x{cluster}' if cluster > 1 else ''} dense"] = forced(dense)
     # the prefill kernel (CTAs looping over rows) where there are rows for every SM
     if (planned is None or planned.kernel != "prefill") and rows >= sms and width < cuda_topk.PREFILL_MAX_COLS:
         impls["cuda.radix prefill"] = forced(cuda_topk.Plan("prefill", 1, cuda_topk.PREFILL_THREADS))

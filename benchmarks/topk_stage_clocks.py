@@ -1,6 +1,6 @@
 """Where one row's register select spends its time: the SM-clock stamps of a `DSA_TOPK_STAGE_CLOCKS` build.
 
-    python3 benchmarks/topk_stage_clocks.py --out OUT.json [--cells BxLxWxK ...] DSA_TOPK_STAGE_CLOCKS=1 \
+    python3 benchmarks/topk_stage_clocks.py --out OUT.json [--cells BxLxWxK ... --] DSA_TOPK_STAGE_CLOCKS=1 \
         DSA_TOPK_STAGE_CLOCKS=1,OTHER=1 ...
 
 Each argument is a comma-separated list of defines for a build of `csrc/topk_registers.cu`; with the stage-clock probe
@@ -10,8 +10,9 @@ stamps are entry, the sample's threshold, the pass, each radix level over the ca
 "KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells 1024x32768x32768x2048), whose
 stamps are entry, the threshold (sampled, or none for a row kept whole), the candidate pass, each radix level, the
 ordered write, of the first CTA's first row; "KPT -3": the same for a row kept whole at implied slots,
-DSA_TOPK_PREFILL_KEEP_ALL). Each cell runs three times eagerly after a 256 MiB L2 flush, on real V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right
-(the probe only reads the clock).
+DSA_TOPK_PREFILL_KEEP_ALL). Each cell runs three times eagerly after a 256 MiB L2 flush, on real V3.2 decode
+logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right (the probe only reads the
+clock).
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ def _plans(rows: int, cols: int, vec: int = 4):
         # its split pass: 2 CTAs per row (uneven shares of a row's batches) and 8 (CTAs with no batch of a shorter
         # row; rows one CTA holds handed to the cluster's CTAs in turn)
         plans += [cuda_topk.Plan("stream", 2, 0), cuda_topk.Plan("stream", 8, 0)]
+        # the dense kernel (two CTAs per SM, rows of > 8K columns streamed), alone and split
+        plans += [cuda_topk.Plan("stream", c, cuda_topk.STREAM_DENSE) for c in (1, 2)]
     reg = cuda_topk.register_plan(rows, cols, _sms())
     if reg is not None and cuda_topk.SHORT_ROWS_MAX_COLS < cols <= cuda_topk.STREAM_MAX_COLS:
         plans.append(cuda_topk.Plan("routed", *reg))  # both kernels side by side, each row to one of them
@@ -302,9 +304,10 @@ def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     _check(logits, 2048, ends, starts, plan=plan)
     _check(logits, 2048, ends, starts, table, req, plan=plan)
     _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
-    for cluster in (2, 4):  # the split pass on windows with starts and the slot transform
-        _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", cluster, 0))
-        _check(logits, 2048, ends, starts, table, req, plan=cuda_topk.Plan("stream", cluster, 0))
+    for cluster, per_cta in ((2, 0), (4, 0), (1, cuda_topk.STREAM_DENSE), (2, cuda_topk.STREAM_DENSE)):
+        # the split pass and the dense kernel on windows with starts and the slot transform
+        _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", cluster, per_cta))
+        _check(logits, 2048, ends, starts, table, req, plan=cuda_topk.Plan("stream", cluster, per_cta))
     routed = cuda_topk.Plan("routed", *cuda_topk.register_plan(rows, width, _sms()))
     _check(logits, 2048, ends, starts, plan=routed)
     _check(logits, 2048, ends, starts, table, req, plan=routed)

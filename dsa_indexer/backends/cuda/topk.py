@@ -75,6 +75,12 @@ SMALL_K_STREAM_MIN_ROWS = 64
 # in turn. Off until measured against the one-CTA launch (bench_topk_engines.py --plans times "stream xC").
 SPLIT_STREAM = False
 STREAM_CLUSTERS = (1, 2, 4, 8)
+# The dense streaming kernel (Plan("stream", C, STREAM_DENSE)): two CTAs share an SM at 64 registers a thread, rows
+# of up to 8K columns selected in registers, longer ones streamed in batches of 4 float4s per thread. Aimed at many
+# long rows, where one CTA per SM leaves each SM's loads latency-bound (128 x 128K: 46.0 us, of which the sample and
+# pass ~35; vLLM's persistent top-k 38.3): a split pass of 2 CTAs per row puts 128 rows in one wave of 256 CTAs.
+# Not planned until measured (bench_topk_engines.py --plans times "stream dense" and "stream xC dense").
+STREAM_DENSE = 2
 # The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
 # at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
 PREFILL_MIN_ROWS = 1024
@@ -87,7 +93,8 @@ PREFILL_THREADS = 256  # 256-thread CTAs, three per SM (512: two per SM; kept fo
 
 class Plan(NamedTuple):
     """One launch: ``kernel`` "registers" or "routed" (``per_cta`` = keys per thread), "shared" (``per_cta`` = key
-    capacity per CTA in shared memory), "stream" or "prefill"; ``cluster`` CTAs per row."""
+    capacity per CTA in shared memory), "stream" (``per_cta`` 0: one CTA per SM; 2: the dense kernel, two per SM,
+    STREAM_DENSE) or "prefill" (``per_cta`` = threads); ``cluster`` CTAs per row."""
 
     kernel: str
     cluster: int
@@ -147,7 +154,8 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.dsa_topk_routed_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                            ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
-    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
     lib.dsa_topk_stream_max_cluster.restype = ctypes.c_int
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
@@ -347,10 +355,14 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
+        if launch.per_cta not in (0, 1, STREAM_DENSE):
+            raise ValueError(f"plan {launch}: the streaming kernel runs one CTA per SM (per_cta 0) or two "
+                             f"(per_cta {STREAM_DENSE})")
         cluster = launch.cluster  # capped by what this GPU co-schedules (exact either way); one CTA needs no query
         if cluster > 1:
             cluster = min(cluster, _stream_max_cluster(capability))
-        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
+        ctas_per_sm = 2 if launch.per_cta == STREAM_DENSE else 1
+        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, ctas_per_sm, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
         lib = _registers_library(capability)

@@ -912,8 +912,15 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
   }
 }
 
-template <bool SPLIT>
-__global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
+// MIN_BLOCKS 2 (a "dense" launch, the plan's per_cta 2): two CTAs share an SM, at 64 registers a thread, so a split
+// pass of 2 CTAs per row runs 128 long rows in one wave (256 CTAs), each SM with two rows' loads in flight and one
+// row's select beside another's pass. Its rows held in registers are those of up to 16 keys per thread (8K
+// columns); longer rows stream, and a pass batch is 4 float4s per thread instead of 8.
+template <bool SPLIT, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Params p) {
+  constexpr int kSoloKpt = MIN_BLOCKS >= 2 ? 16 : 32;  // keys per thread of the rows selected in registers
+  constexpr int kSoloSpan = kSoloKpt * kThreads;
+  constexpr int kUnroll = MIN_BLOCKS >= 2 ? 4 : kStreamUnroll;  // float4 loads per thread in a pass batch
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
   // find_bin is always called with csize 1 here (block barriers only); SPLIT's cluster barriers are explicit
@@ -939,14 +946,14 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
   if (p.route != 0) {
     if (p.starts == nullptr && blockIdx.x < p.rows)  // the first row's columns first (the count reads every end)
-      prefetch_row_l2(p.x + (long long)blockIdx.x * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
+      prefetch_row_l2(p.x + (long long)blockIdx.x * p.x_stride, 0, min(p.cols, kSoloSpan));
     const bool v = routed_long_rows_stream(p);
     long_rows_stream = v;
   }
 
   for (int row = blockIdx.x / csize; row < p.rows; row += gridDim.x / csize) {
     if (p.starts == nullptr && rank == 0)  // the columns a short row's select reads, the first of a long row's pass
-      prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
+      prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloSpan));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
     if (p.route == 1 && route_to_clusters(p, start, end, long_rows_stream != 0)) continue;  // the cluster kernel's
@@ -955,29 +962,29 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     const int width = end - start;
 
     const float* x_row = p.x + (long long)row * p.x_stride;
-    const bool one_cta = width <= p.k || end - (start & ~3) <= kSoloMaxSpan;  // uniform over the cluster
+    const bool one_cta = width <= p.k || end - (start & ~3) <= kSoloSpan;  // uniform over the cluster
     if (SPLIT && one_cta && solo_turn++ % csize != rank) continue;  // another CTA of the cluster's turn
     if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
       for (int j = t; j < p.k; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
       continue;
     }
     if (one_cta) {  // a short row (a padded launch's width is no guide): in registers
-      registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
+      registers_select_row_solo<kSoloKpt>(p, x_row, start, end, req, out_row, cluster, s.base);
       continue;
     }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
     const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: shuffles see every lane
-    // SPLIT: this CTA's share of the pass, whole batches of kStreamUnroll iterations; `used` CTAs have one
+    // SPLIT: this CTA's share of the pass, whole batches of kUnroll iterations; `used` CTAs have one
     int it_lo = 0, it_hi = iters, used = 1;
     if (SPLIT) {
-      const int batches = (iters + kStreamUnroll - 1) / kStreamUnroll;
+      const int batches = (iters + kUnroll - 1) / kUnroll;
       used = min(csize, batches);
-      it_lo = rank < used ? (rank * batches / used) * kStreamUnroll : iters;
-      it_hi = rank < used ? min(iters, ((rank + 1) * batches / used) * kStreamUnroll) : iters;
+      it_lo = rank < used ? (rank * batches / used) * kUnroll : iters;
+      it_hi = rank < used ? min(iters, ((rank + 1) * batches / used) * kUnroll) : iters;
       if (rank > 0 && rank < used)  // this CTA's first batch into L2 while it computes the sample (CTA 0's: above)
-        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads, min(end, base + 4 * (it_lo + kStreamUnroll) * kThreads));
+        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads, min(end, base + 4 * (it_lo + kUnroll) * kThreads));
       if (wait_pending) cluster_wait();  // the previous long row's second barrier (CTA 0 has appended it all)
       wait_pending = false;
     }
@@ -1071,35 +1078,35 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
     // Two batches in flight: the next batch's loads are issued before this one is examined (one CTA's loads are
     // latency-bound: ~1.9 us per batch of 8 float4s per thread when each waited for the last).
     auto batch_inside = [&](int it0) {  // uniform
-      return p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi;
+      return p.aligned && it0 * kThreads >= v_lo && (it0 + kUnroll) * kThreads <= v_hi;
     };
-    auto load_batch = [&](int it0, float4 (&q)[kStreamUnroll]) {
+    auto load_batch = [&](int it0, float4 (&q)[kUnroll]) {
       if (batch_inside(it0)) {
 #pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u)
+        for (int u = 0; u < kUnroll; ++u)
           q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * ((it0 + u) * kThreads + t)));
       } else {
 #pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           const int v = (it0 + u) * kThreads + t;
           q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
       }
     };
-    float4 q_next[kStreamUnroll];
+    float4 q_next[kUnroll];
     load_batch(it_lo, q_next);
     if (SPLIT) cluster_wait();
-    for (int it0 = it_lo; it0 < it_hi; it0 += kStreamUnroll) {
-      float4 q[kStreamUnroll];
+    for (int it0 = it_lo; it0 < it_hi; it0 += kUnroll) {
+      float4 q[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kStreamUnroll; ++u) q[u] = q_next[u];
-      if (it0 + kStreamUnroll < it_hi) load_batch(it0 + kStreamUnroll, q_next);
+      for (int u = 0; u < kUnroll; ++u) q[u] = q_next[u];
+      if (it0 + kUnroll < it_hi) load_batch(it0 + kUnroll, q_next);
       const bool inside = batch_inside(it0);
       // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
       unsigned take = 0u;
       if (inside && float_compare) {
 #pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           take |= (q[u].x >= threshold_value ? 1u : 0u) << (4 * u);
           take |= (q[u].y >= threshold_value ? 2u : 0u) << (4 * u);
           take |= (q[u].z >= threshold_value ? 4u : 0u) << (4 * u);
@@ -1107,7 +1114,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         }
       } else {  // the window's edges (columns outside it have key 0) or a threshold at -inf: compare keys
 #pragma unroll
-        for (int u = 0; u < kStreamUnroll; ++u) {
+        for (int u = 0; u < kUnroll; ++u) {
           unsigned key[4];  // columns past the window (v >= nvec) get key 0 here too
           keys4(q[u], base + 4 * ((it0 + u) * kThreads + t), start, end, key);
 #pragma unroll
@@ -1129,7 +1136,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
           const int u = bit >> 2, i = bit & 3;
           float4 v4 = zero;
 #pragma unroll
-          for (int uu = 0; uu < kStreamUnroll; ++uu) v4 = uu == u ? q[uu] : v4;  // registers: no local array
+          for (int uu = 0; uu < kUnroll; ++uu) v4 = uu == u ? q[uu] : v4;  // registers: no local array
           const float value = i == 0 ? v4.x : i == 1 ? v4.y : i == 2 ? v4.z : v4.w;
           const unsigned kk = order_key(value);
           cand_lo = min(cand_lo, kk);
@@ -1262,11 +1269,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   print_stage_clocks();
 }
 
-template <bool SPLIT>
+template <bool SPLIT, int MIN_BLOCKS = 1>
 cudaError_t configure_stream() {
   static bool configured = false;  // host work once per kernel: the >48 KB dynamic shared memory opt-in
   if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel<SPLIT>,
+    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel<SPLIT, MIN_BLOCKS>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  (int)sizeof(StreamShared));
     if (err != cudaSuccess) return err;
@@ -1275,18 +1282,25 @@ cudaError_t configure_stream() {
   return cudaSuccess;
 }
 
-// `grid` rows at a time (CTAs loop over the rows), each on `cluster` CTAs (1: no cluster; 2, 4 or 8: the split pass).
-cudaError_t launch_stream(const Params& p, int grid, int cluster, cudaStream_t stream) {
+template <int MIN_BLOCKS>
+cudaError_t launch_stream_blocks(const Params& p, int grid, int cluster, cudaStream_t stream) {
   if (cluster <= 1) {
-    const cudaError_t err = configure_stream<false>();
+    const cudaError_t err = configure_stream<false, MIN_BLOCKS>();
     if (err != cudaSuccess) return err;
-    topk_stream_kernel<false><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
+    topk_stream_kernel<false, MIN_BLOCKS><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
     return cudaSuccess;
   }
-  const cudaError_t err = configure_stream<true>();
+  const cudaError_t err = configure_stream<true, MIN_BLOCKS>();
   if (err != cudaSuccess) return err;
-  return launch_in_clusters(topk_stream_kernel<true>, dim3((unsigned)(grid * cluster), 1, 1), kThreads,
+  return launch_in_clusters(topk_stream_kernel<true, MIN_BLOCKS>, dim3((unsigned)(grid * cluster), 1, 1), kThreads,
                             (unsigned)cluster, sizeof(StreamShared), stream, p);
+}
+
+// `grid` rows at a time (CTAs loop over the rows), each on `cluster` CTAs (1: no cluster; 2, 4 or 8: the split
+// pass), `ctas_per_sm` 1 (128 registers a thread) or 2 (64: the dense kernel).
+cudaError_t launch_stream(const Params& p, int grid, int cluster, int ctas_per_sm, cudaStream_t stream) {
+  return ctas_per_sm >= 2 ? launch_stream_blocks<2>(p, grid, cluster, stream)
+                          : launch_stream_blocks<1>(p, grid, cluster, stream);
 }
 
 // ---- The prefill kernel: a prefill chunk's rows (thousands of rows of 8K-1M columns; issue 27). The streaming
@@ -1841,7 +1855,7 @@ cudaError_t launch_routed(Params p, int cluster, int stream_grid, cudaStream_t s
   p.route = 2;
   if ((err = launch<KPT>(p, cluster, p.rows, r->side)) != cudaSuccess) return err;
   p.route = 1;
-  if ((err = launch_stream(p, stream_grid, 1, stream)) != cudaSuccess) return err;
+  if ((err = launch_stream(p, stream_grid, 1, 1, stream)) != cudaSuccess) return err;
   if ((err = cudaEventRecord(r->join, r->side)) != cudaSuccess) return err;
   return cudaStreamWaitEvent(stream, r->join, 0);
 }
@@ -1902,8 +1916,8 @@ int dsa_topk_routed_launch(const float* x, long long x_stride, int rows, int col
 }
 
 // The streaming kernel (`cluster` CTAs per row: 1, or 2 / 4 / 8 for the split pass; `grid` rows at a time, looping
-// over the rows): rows of at most dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in
-// shared memory per CTA.
+// over the rows; `ctas_per_sm` 1, or 2 for the dense kernel): rows of at most dsa_topk_stream_max_cols() columns;
+// needs dsa_topk_stream_smem_bytes() of opt-in shared memory per CTA.
 int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
 
 // The most CTAs per row (8, 4 or 2) whose clusters of the split pass this GPU can co-schedule (one CTA per SM with
@@ -1915,7 +1929,7 @@ int dsa_topk_stream_max_cluster() {
     const cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads,
                                                             (unsigned)cluster, sizeof(StreamShared), nullptr, attr);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true>, &config) == cudaSuccess &&
+    if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true, 1>, &config) == cudaSuccess &&
         clusters > 0)
       return cluster;
   }
@@ -1926,11 +1940,12 @@ long long dsa_topk_stream_smem_bytes() { return (long long)sizeof(StreamShared);
 
 int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
                            const int* ends, const int* block_table, long long bt_stride, const int* row_request,
-                           int* out, int grid, int cluster, int aligned, void* stream) {
-  if (cols > kStreamMaxCols || grid < 1 || (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8))
+                           int* out, int grid, int cluster, int ctas_per_sm, int aligned, void* stream) {
+  if (cols > kStreamMaxCols || grid < 1 || (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8) ||
+      (ctas_per_sm != 1 && ctas_per_sm != 2))
     return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
-  const cudaError_t err = launch_stream(p, grid, cluster, (cudaStream_t)stream);
+  const cudaError_t err = launch_stream(p, grid, cluster, ctas_per_sm, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
