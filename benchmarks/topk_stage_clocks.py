@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                         "cluster": int(m["csize"]), "levels": int(m["levels"]), "total_cycles": int(m["total"]),
                         "stage_cycles": [int(x) for x in m["stages"].split()]})
     Path(args.out).write_text(json.dumps({"command": " ".join(["python3", "benchmarks/topk_stage_clocks.py",
-                                                               "--out", args.out, *cell_args, *args.variants]),
+                                                               "--out", args.out, *cell_args, "--", *args.variants]),
                                           "stages": "entry -> keys loaded -> each radix level -> selection and scan "
                                                     "-> ordered write (cycles between stamps)",
                                           "records": records}, indent=1) + "\n")
