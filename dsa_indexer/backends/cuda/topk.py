@@ -16,7 +16,8 @@ cluster's barriers or the streaming passes (`registers_grid_rows` packs several 
   reads the row once, keeps the keys above a threshold estimated from a sample, and selects among those (the
   whole row when the sample misled it: exact either way); launched with a cluster of 2 / 4 / 8 CTAs per row (the
   split pass, `stream_cluster`, off until timed: SPLIT_STREAM), the cluster's CTAs share a long row's pass and
-  CTA 0 selects;
+  CTA 0 selects; a "dense" build of it runs two CTAs per SM at 64 registers (STREAM_DENSE, not planned until
+  timed);
 - the prefill kernel in ``csrc/topk_registers.cu`` for a prefill chunk's rows (thousands of rows of 4K to 16M
   columns): the streaming kernel's sample, pass and select in 256-thread CTAs, three per SM, each looping over rows,
   so one row's select (a chain of block barriers) overlaps other rows' passes over their columns; its output order
