@@ -1361,9 +1361,14 @@ struct PrefillShared {
       int cand_col[kPrefillCap];
     };
     unsigned sample[kPrefillSampleKeys];  // the sampled keys, before any candidate is written
-    unsigned row_key[kPrefillKeepAllCols];  // DSA_TOPK_PREFILL_KEEP_ALL: key of column base + slot
+    // DSA_TOPK_PREFILL_KEEP_ALL: key of column base + slot, read and written as uint4, so 16-byte aligned (which
+    // aligns the whole union). Only in that build: the 4 bytes of padding cost the shipped 256-thread kernel a spill.
+    alignas(kPrefillKeepAll ? 16 : alignof(unsigned)) unsigned row_key[kPrefillKeepAllCols];
   };
 };
+static_assert(!kPrefillKeepAll || (offsetof(PrefillShared<256>, row_key) % 16 == 0 &&
+                                   offsetof(PrefillShared<512>, row_key) % 16 == 0),
+              "the keep-all pass reads and writes row_key as uint4");
 
 // Exclusive block scan of `mine` (the step's warp sums in warp_sum[parity]): the thread's offset among the
 // block's, and the block's total. One barrier: the other parity's buffer is written by the next step, and every
