@@ -30,6 +30,7 @@ Writes DIR/topk_engines.json with the command, versions, every cell and, per cel
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -164,16 +165,17 @@ def other_plans(cuda_topk, logits, ends, k, width, sms):
         impls[f"cuda.radix routed x{routed.cluster} keys{routed.per_cta}"] = forced(routed)
     if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
         impls["cuda.radix stream"] = forced(cuda_topk.Plan("stream", 1, 0))
+    def runs_as(plan):  # a split pass's clusters narrow on a GPU to what it runs in one wave (fit_split_cluster)
+        if plan is None or plan.kernel != "stream" or plan.cluster == 1 or not logits.is_cuda:
+            return plan
+        active = functools.partial(cuda_topk.stream_active_clusters, logits.device)
+        return plan._replace(cluster=cuda_topk.fit_split_cluster(rows, plan.cluster, active))
+
     if cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS:  # the split pass, within one wave
         for cluster in cuda_topk.STREAM_CLUSTERS[1:]:
             split = cuda_topk.Plan("stream", cluster, 0)
-            if split != planned and rows * cluster <= sms:
+            if split != runs_as(planned) and runs_as(split) == split and rows * cluster <= sms:
                 impls[f"cuda.radix stream x{cluster}"] = forced(split)
-    if width <= cuda_topk.STREAM_MAX_COLS:  # the dense streaming kernel (two CTAs per SM), within one wave of them
-        for cluster in cuda_topk.STREAM_CLUSTERS:
-            dense = cuda_topk.Plan("stream", cluster, cuda_topk.STREAM_DENSE)
-            if dense != planned and sms < rows * cluster <= 2 * sms:
-                impls[f"cuda.radix stream{f' x{cluster}' if cluster > 1 else ''} dense"] = forced(dense)
     # the prefill kernel (CTAs looping over rows) where there are rows for every SM
     if (planned is None or planned.kernel != "prefill") and rows >= sms and width < cuda_topk.PREFILL_MAX_COLS:
         impls["cuda.radix prefill"] = forced(cuda_topk.Plan("prefill", 1, cuda_topk.PREFILL_THREADS))

@@ -9,10 +9,9 @@ each radix level, the selection and scan, the ordered write; "KPT -1": a row the
 stamps are entry, the sample's threshold, the pass, each radix level over the candidates, the bitmap's ordered write;
 "KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells 1024x32768x32768x2048), whose
 stamps are entry, the threshold (sampled, or none for a row kept whole), the candidate pass, each radix level, the
-ordered write, of the first CTA's first row; "KPT -3": the same for a row kept whole at implied slots,
-DSA_TOPK_PREFILL_KEEP_ALL). Each cell runs three times eagerly after a 256 MiB L2 flush, on real V3.2 decode
-logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right (the probe only reads the
-clock).
+ordered write, of the first CTA's first row). Each cell runs three times eagerly after a 256 MiB L2 flush, on real
+V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right (the probe only reads
+the clock).
 """
 
 from __future__ import annotations

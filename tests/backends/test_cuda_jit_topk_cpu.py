@@ -114,7 +114,7 @@ def test_a_register_variant_loads_its_own_build_and_goes_back(monkeypatch):
     loaded = []
     fake = types.SimpleNamespace(**{name: types.SimpleNamespace() for name in (
         "dsa_topk_registers_launch", "dsa_topk_registers_chunk", "dsa_topk_routed_launch", "dsa_topk_stream_launch",
-        "dsa_topk_stream_max_cols", "dsa_topk_stream_max_cluster", "dsa_topk_stream_smem_bytes",
+        "dsa_topk_stream_max_cols", "dsa_topk_stream_active_clusters", "dsa_topk_stream_smem_bytes",
         "dsa_topk_prefill_launch", "dsa_topk_prefill_max_cols", "dsa_topk_prefill_blocks_per_sm",
         "dsa_topk_registers_error_string")})
     monkeypatch.setattr(jit, "load", lambda source, capability, defines=(): loaded.append((source, defines)) or fake)
@@ -185,7 +185,8 @@ def test_a_wave_of_short_decode_rows_takes_the_streaming_kernel(width_plans, row
 @pytest.mark.parametrize("rows,cols", [(128, 131072), (300, 40000), (128, 262144), (32, 131072), (64, 131072),
                                        (32, 163840), (32, 65537)])
 def test_many_long_rows_take_the_streaming_kernel(width_plans, rows, cols):
-    assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", 1, 0)
+    split = cuda_topk.stream_cluster(rows, cols, 132)  # the split pass's CTAs per row (1 past 66 rows)
+    assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", split, 0)
 
 
 @pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (31, 131072), (1, 163840), (32, 65536),
@@ -198,7 +199,8 @@ def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(width_pla
 def test_many_rows_at_v4_k_512_stream_from_32k_columns(width_plans, rows, cols):
     """V4's k = 512: 64+ rows of >= 32K columns stream; the same rows at k = 2048, fewer rows, or shorter ones keep
     the register clusters."""
-    assert cuda_topk.plan_for(rows, cols, 132, 4, 512) == cuda_topk.Plan("stream", 1, 0)
+    split = cuda_topk.stream_cluster(rows, cols, 132)
+    assert cuda_topk.plan_for(rows, cols, 132, 4, 512) == cuda_topk.Plan("stream", split, 0)
     assert cuda_topk.plan_for(rows, cols, 132, 4, 2048).kernel == "registers"
     assert cuda_topk.plan_for(63, cols, 132, 4, 512).kernel == "registers"
     assert cuda_topk.plan_for(rows, 32767, 132, 4, 512).kernel == "registers"
@@ -218,6 +220,16 @@ def test_split_stream_plan_fills_one_wave(width_plans, monkeypatch, rows, cols, 
         assert got.cluster == cluster
     monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", False)
     assert cuda_topk.stream_cluster(rows, cols, 132) == 1
+
+
+@pytest.mark.parametrize("rows,planned,runs", [(32, 4, 2), (30, 4, 4), (16, 8, 4), (14, 8, 8), (1, 8, 8), (60, 2, 2),
+                                               (70, 2, 1), (5, 4, 4)])
+def test_split_clusters_narrow_until_the_rows_run_in_one_wave(rows, planned, runs):
+    """At launch a split plan's clusters halve while the rows' clusters would not all run at once (a made-up GPU
+    that runs 66 clusters of 2, 30 of 4 and 14 of 8, as GPCs of 16-18 SMs would)."""
+    active = {2: 66, 4: 30, 8: 14}
+    assert cuda_topk.fit_split_cluster(rows, planned, active.__getitem__) == runs
+    assert cuda_topk.fit_split_cluster(rows, planned, lambda c: 0) == 1  # no cluster fits: one CTA per row
 
 
 def test_rows_past_sixteen_register_chunks_take_the_shared_memory_kernel():

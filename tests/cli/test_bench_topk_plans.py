@@ -33,14 +33,6 @@ def test_without_plans_only_the_planned_launch_and_its_variants():
     assert list(impls) == ["cuda.radix", "cuda.radix [v]"]
 
 
-def test_the_dense_kernel_is_timed_where_rows_fill_one_to_two_waves_of_sms():
-    many_long = _labels(128, 131072, 131072)
-    assert "cuda.radix stream x2 dense" in many_long  # 256 CTAs: two per SM
-    assert "cuda.radix stream dense" not in many_long and "cuda.radix stream x4 dense" not in many_long
-    assert "cuda.radix stream x8 dense" in _labels(32, 131072, 131072)
-    assert not any("dense" in name for name in _labels(1, 8192, 8192))  # one CTA on one SM: nothing to share
-
-
 def test_the_prefill_kernel_is_forced_where_there_are_rows_for_every_sm():
     assert "cuda.radix prefill" in _labels(1024, 8192, 8192)  # planned on the register kernel
     assert "cuda.radix prefill" not in _labels(1024, 32768, 32768)  # planned on the prefill kernel itself
@@ -48,19 +40,19 @@ def test_the_prefill_kernel_is_forced_where_there_are_rows_for_every_sm():
 
 
 def test_a_variant_retimes_every_launch_a_build_can_change(monkeypatch):
-    impls = _labels(32, 163840, 8192, variants=["ka=DSA_TOPK_PREFILL_KEEP_ALL=1"])
+    impls = _labels(32, 163840, 8192, variants=["rk=DSA_TOPK_ROW_KPT=1"])
     ours = [name for name in impls if "[" not in name]
     for name in ours:
-        rebuilt = f"{name} [ka]" in impls
+        rebuilt = f"{name} [rk]" in impls
         assert rebuilt == ("grid" not in name and "trimmed" not in name), name
     # each forced alternative runs the plan it names, from the variant's build while it runs
     seen = []
     monkeypatch.setattr(cuda_topk, "run_plan", lambda *a: seen.append((a[-1], cuda_topk.REGISTER_DEFINES)))
     monkeypatch.setattr(cuda_topk, "_registers_library", types.SimpleNamespace(cache_clear=lambda: None))
     monkeypatch.setattr(cuda_topk, "_prefill_blocks_per_sm", types.SimpleNamespace(cache_clear=lambda: None))
-    monkeypatch.setattr(cuda_topk, "_stream_max_cluster", types.SimpleNamespace(cache_clear=lambda: None))
-    impls["cuda.radix stream x4 [ka]"]()
-    impls["cuda.radix stream x4"]()
-    assert seen == [(cuda_topk.Plan("stream", 4, 0), ("DSA_TOPK_PREFILL_KEEP_ALL=1",)),
-                    (cuda_topk.Plan("stream", 4, 0), ())]
+    monkeypatch.setattr(cuda_topk, "_stream_active_clusters", types.SimpleNamespace(cache_clear=lambda: None))
+    impls["cuda.radix stream x2 [rk]"]()
+    impls["cuda.radix stream x2"]()
+    assert seen == [(cuda_topk.Plan("stream", 2, 0), ("DSA_TOPK_ROW_KPT=1",)),
+                    (cuda_topk.Plan("stream", 2, 0), ())]
     assert cuda_topk.REGISTER_DEFINES == ()  # the shipped build again after the variant's call

@@ -51,8 +51,6 @@ def _plans(rows: int, cols: int, vec: int = 4):
         # its split pass: 2 CTAs per row (uneven shares of a row's batches) and 8 (CTAs with no batch of a shorter
         # row; rows one CTA holds handed to the cluster's CTAs in turn)
         plans += [cuda_topk.Plan("stream", 2, 0), cuda_topk.Plan("stream", 8, 0)]
-        # the dense kernel (two CTAs per SM, rows of > 8K columns streamed), alone and split
-        plans += [cuda_topk.Plan("stream", c, cuda_topk.STREAM_DENSE) for c in (1, 2)]
     reg = cuda_topk.register_plan(rows, cols, _sms())
     if reg is not None and cuda_topk.SHORT_ROWS_MAX_COLS < cols <= cuda_topk.STREAM_MAX_COLS:
         plans.append(cuda_topk.Plan("routed", *reg))  # both kernels side by side, each row to one of them
@@ -304,10 +302,9 @@ def test_mixed_lengths_with_starts_and_slots(kernel_ready, packed, monkeypatch):
     _check(logits, 2048, ends, starts, plan=plan)
     _check(logits, 2048, ends, starts, table, req, plan=plan)
     _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", 1, 0))
-    for cluster, per_cta in ((2, 0), (4, 0), (1, cuda_topk.STREAM_DENSE), (2, cuda_topk.STREAM_DENSE)):
-        # the split pass and the dense kernel on windows with starts and the slot transform
-        _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", cluster, per_cta))
-        _check(logits, 2048, ends, starts, table, req, plan=cuda_topk.Plan("stream", cluster, per_cta))
+    for cluster in (2, 4):  # the split pass on windows with starts and the slot transform
+        _check(logits, 2048, ends, starts, plan=cuda_topk.Plan("stream", cluster, 0))
+        _check(logits, 2048, ends, starts, table, req, plan=cuda_topk.Plan("stream", cluster, 0))
     routed = cuda_topk.Plan("routed", *cuda_topk.register_plan(rows, width, _sms()))
     _check(logits, 2048, ends, starts, plan=routed)
     _check(logits, 2048, ends, starts, table, req, plan=routed)
@@ -357,10 +354,14 @@ def test_clusters_looping_over_rows_of_different_groups(kernel_ready):
 
 
 def test_split_pass_clusters_fit_this_gpu(kernel_ready):
-    """The split pass's cap, the most CTAs per row whose clusters this GPU co-schedules (one CTA per SM with the
-    streaming kernel's shared memory), is 8 on the H100 / H200 (GPCs of more than 8 SMs): the split plans the other
-    tests force run as asked, not clamped."""
-    assert cuda_topk._stream_max_cluster(torch.cuda.get_device_capability()) == 8
+    """The split pass's clusters this GPU runs at once, one CTA per SM with the streaming kernel's shared memory:
+    at least one cluster of 8 (the GPU tests force 8 CTAs per row on up to 5 rows), never more CTAs than SMs, fewer
+    clusters as they grow, and a launch narrows its clusters to them (`fit_split_cluster`)."""
+    device = torch.device(DEVICE)
+    active = {c: cuda_topk.stream_active_clusters(device, c) for c in (2, 4, 8)}
+    print("split-pass clusters at once:", active)
+    assert active[8] >= 5 and active[2] >= active[4] >= active[8]
+    assert all(c * n <= _sms() for c, n in active.items())
 
 
 @pytest.mark.parametrize("split", [None, 4])

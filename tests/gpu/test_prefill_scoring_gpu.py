@@ -120,7 +120,7 @@ def test_adversarial_rows(kernel_ready, case):
         logits.scatter_(1, hot, 1e3)
     starts = torch.randint(0, 300, (rows,), device=DEVICE, generator=gen, dtype=torch.int32)
     ends = torch.randint(cols - 8000, cols + 1, (rows,), device=DEVICE, generator=gen, dtype=torch.int32)
-    # and windows of 2049-12000 columns: rows a build may keep whole (DSA_TOPK_PREFILL_KEEP_ALL)
+    # and windows of 2049-12000 columns: rows kept whole (<= 6144 columns) and sampled ones near the capacity
     short_ends = starts + torch.randint(2049, 12001, (rows,), device=DEVICE, generator=gen, dtype=torch.int32)
     for plan in PREFILL_PLANS:
         _check(logits, 2048, ends, starts, plan=plan)

@@ -15,9 +15,7 @@ cluster's barriers or the streaming passes (`registers_grid_rows` packs several 
   the register kernel would need more than two waves of CTAs (128 x 128K): one 512-thread CTA per row
   reads the row once, keeps the keys above a threshold estimated from a sample, and selects among those (the
   whole row when the sample misled it: exact either way); launched with a cluster of 2 / 4 / 8 CTAs per row (the
-  split pass, `stream_cluster`, off until timed: SPLIT_STREAM), the cluster's CTAs share a long row's pass and
-  CTA 0 selects; a "dense" build of it runs two CTAs per SM at 64 registers (STREAM_DENSE, not planned until
-  timed);
+  split pass, `stream_cluster`), the cluster's CTAs share a long row's pass and CTA 0 selects;
 - the prefill kernel in ``csrc/topk_registers.cu`` for a prefill chunk's rows (thousands of rows of 4K to 16M
   columns): the streaming kernel's sample, pass and select in 256-thread CTAs, three per SM, each looping over rows,
   so one row's select (a chain of block barriers) overlaps other rows' passes over their columns; its output order
@@ -73,15 +71,12 @@ SMALL_K_STREAM_MIN_ROWS = 64
 # The streaming kernel's split pass: a cluster of C CTAs per row shares a long row's pass (each streams 1/C of it
 # into CTA 0's candidates; CTA 0 selects), so the longest row of a launch with SMs to spare is read C times
 # faster (one SM reads ~40 GB/s: a 128K row's pass alone is ~12 us). Rows one CTA holds go to the cluster's CTAs
-# in turn. Off until measured against the one-CTA launch (bench_topk_engines.py --plans times "stream xC").
-SPLIT_STREAM = False
+# in turn. Measured against the one-CTA launch (H100, topk_engines_split_s18_h100.json, us, 1 CTA vs 2 per row):
+# 32 x 8K / 32K in a 163840 width 12.1 / 22.9 vs 11.7 / 20.6; 32 rows log-uniform in [2K, 128K] 31.8 vs 27.3;
+# 32 x 128K 33.8 vs 29.2. At launch the clusters narrow until the rows' clusters all run at once
+# (`fit_split_cluster`: 32 rows do not fit the H100's 30 clusters of 4).
+SPLIT_STREAM = True
 STREAM_CLUSTERS = (1, 2, 4, 8)
-# The dense streaming kernel (Plan("stream", C, STREAM_DENSE)): two CTAs share an SM at 64 registers a thread, rows
-# of up to 8K columns selected in registers, longer ones streamed in batches of 4 float4s per thread. Aimed at many
-# long rows, where one CTA per SM leaves each SM's loads latency-bound (128 x 128K: 46.0 us, of which the sample and
-# pass ~35; vLLM's persistent top-k 38.3): a split pass of 2 CTAs per row puts 128 rows in one wave of 256 CTAs.
-# Not planned until measured (bench_topk_engines.py --plans times "stream dense" and "stream xC dense").
-STREAM_DENSE = 2
 # The prefill kernel (same file): a prefill chunk's thousands of rows. Decode grids (B x next_n rows, a few hundred
 # at most) never reach PREFILL_MIN_ROWS, so their plans are unchanged.
 PREFILL_MIN_ROWS = 1024
@@ -94,8 +89,7 @@ PREFILL_THREADS = 256  # 256-thread CTAs, three per SM (512: two per SM; kept fo
 
 class Plan(NamedTuple):
     """One launch: ``kernel`` "registers" or "routed" (``per_cta`` = keys per thread), "shared" (``per_cta`` = key
-    capacity per CTA in shared memory), "stream" (``per_cta`` 0: one CTA per SM; 2: the dense kernel, two per SM,
-    STREAM_DENSE) or "prefill" (``per_cta`` = threads); ``cluster`` CTAs per row."""
+    capacity per CTA in shared memory), "stream" or "prefill"; ``cluster`` CTAs per row."""
 
     kernel: str
     cluster: int
@@ -140,7 +134,7 @@ def use_register_variant(defines: tuple[str, ...] = ()) -> None:
     REGISTER_DEFINES = tuple(defines)
     _registers_library.cache_clear()
     _prefill_blocks_per_sm.cache_clear()
-    _stream_max_cluster.cache_clear()
+    _stream_active_clusters.cache_clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,10 +149,10 @@ def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.dsa_topk_routed_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                            ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_launch.restype = ctypes.c_int
-    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_void_p]
+    lib.dsa_topk_stream_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.dsa_topk_stream_max_cols.restype = ctypes.c_int
-    lib.dsa_topk_stream_max_cluster.restype = ctypes.c_int
+    lib.dsa_topk_stream_active_clusters.restype = ctypes.c_int
+    lib.dsa_topk_stream_active_clusters.argtypes = [ctypes.c_int]
     lib.dsa_topk_stream_smem_bytes.restype = ctypes.c_longlong
     lib.dsa_topk_prefill_launch.restype = ctypes.c_int
     lib.dsa_topk_prefill_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
@@ -287,9 +281,26 @@ def _prefill_blocks_per_sm(capability: tuple[int, int], threads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _stream_max_cluster(capability: tuple[int, int]) -> int:
-    """The most CTAs per row of the streaming kernel's split pass this GPU co-schedules (queried once)."""
-    return int(_registers_library(capability).dsa_topk_stream_max_cluster())
+def _stream_active_clusters(capability: tuple[int, int], cluster: int) -> int:
+    """Clusters of ``cluster`` CTAs of the split pass this GPU runs at once (0: none fits), queried once per size."""
+    return int(_registers_library(capability).dsa_topk_stream_active_clusters(cluster))
+
+
+def stream_active_clusters(device: torch.device, cluster: int) -> int:
+    """Clusters of ``cluster`` CTAs (2, 4 or 8) of the streaming kernel's split pass that ``device`` runs at once: a
+    GPC holds a cluster, so this is below SMs / cluster where GPCs' SM counts are not multiples of it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _stream_active_clusters(_device_facts(index)[2], cluster)
+
+
+def fit_split_cluster(rows: int, cluster: int, active_clusters) -> int:
+    """The split pass's CTAs per row for ``rows`` rows: ``cluster`` halved while the rows' clusters would not all
+    run at once (``active_clusters(c)``: clusters of c CTAs the GPU co-schedules), since a second wave of clusters
+    costs a whole pass again (H100, 32 rows: 30 clusters of 4 fit, and 4 CTAs per row ran 30.2 us at 32 x 32K in a
+    163840 width against 20.6 for 2; topk_engines_split_s18_h100.json)."""
+    while cluster > 1 and rows > active_clusters(cluster):
+        cluster //= 2
+    return cluster
 
 
 def _fits(lib: ctypes.CDLL, chunk_cols: int, optin: int) -> bool:
@@ -356,14 +367,10 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
-        if launch.per_cta not in (0, 1, STREAM_DENSE):
-            raise ValueError(f"plan {launch}: the streaming kernel runs one CTA per SM (per_cta 0) or two "
-                             f"(per_cta {STREAM_DENSE})")
-        cluster = launch.cluster  # capped by what this GPU co-schedules (exact either way); one CTA needs no query
-        if cluster > 1:
-            cluster = min(cluster, _stream_max_cluster(capability))
-        ctas_per_sm = 2 if launch.per_cta == STREAM_DENSE else 1
-        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, ctas_per_sm, int(vec == 4), stream)
+        # narrowed to clusters this GPU runs in one wave (exact either way); one CTA needs no query
+        cluster = fit_split_cluster(min(rows, MAX_GRID_ROWS), launch.cluster,
+                                    lambda c: _stream_active_clusters(capability, c))
+        err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
         lib = _registers_library(capability)

@@ -912,15 +912,8 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
   }
 }
 
-// MIN_BLOCKS 2 (a "dense" launch, the plan's per_cta 2): two CTAs share an SM, at 64 registers a thread, so a split
-// pass of 2 CTAs per row runs 128 long rows in one wave (256 CTAs), each SM with two rows' loads in flight and one
-// row's select beside another's pass. Its rows held in registers are those of up to 16 keys per thread (8K
-// columns); longer rows stream, and a pass batch is 4 float4s per thread instead of 8.
-template <bool SPLIT, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Params p) {
-  constexpr int kSoloKpt = MIN_BLOCKS >= 2 ? 16 : 32;  // keys per thread of the rows selected in registers
-  constexpr int kSoloSpan = kSoloKpt * kThreads;
-  constexpr int kUnroll = MIN_BLOCKS >= 2 ? 4 : kStreamUnroll;  // float4 loads per thread in a pass batch
+template <bool SPLIT>
+__global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
   // find_bin is always called with csize 1 here (block barriers only); SPLIT's cluster barriers are explicit
@@ -946,14 +939,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
   __shared__ int long_rows_stream;  // a routed launch's choice for its long rows (route_to_clusters)
   if (p.route != 0) {
     if (p.starts == nullptr && blockIdx.x < p.rows)  // the first row's columns first (the count reads every end)
-      prefetch_row_l2(p.x + (long long)blockIdx.x * p.x_stride, 0, min(p.cols, kSoloSpan));
+      prefetch_row_l2(p.x + (long long)blockIdx.x * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
     const bool v = routed_long_rows_stream(p);
     long_rows_stream = v;
   }
 
   for (int row = blockIdx.x / csize; row < p.rows; row += gridDim.x / csize) {
     if (p.starts == nullptr && rank == 0)  // the columns a short row's select reads, the first of a long row's pass
-      prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloSpan));
+      prefetch_row_l2(p.x + (long long)row * p.x_stride, 0, min(p.cols, kSoloMaxSpan));
     const int end = p.ends[row];
     const int start = p.starts != nullptr ? p.starts[row] : 0;
     if (p.route == 1 && route_to_clusters(p, start, end, long_rows_stream != 0)) continue;  // the cluster kernel's
@@ -962,29 +955,29 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
     const int width = end - start;
 
     const float* x_row = p.x + (long long)row * p.x_stride;
-    const bool one_cta = width <= p.k || end - (start & ~3) <= kSoloSpan;  // uniform over the cluster
+    const bool one_cta = width <= p.k || end - (start & ~3) <= kSoloMaxSpan;  // uniform over the cluster
     if (SPLIT && one_cta && solo_turn++ % csize != rank) continue;  // another CTA of the cluster's turn
     if (width <= p.k) {  // every visible column, then -1 (uniform over the block)
       for (int j = t; j < p.k; j += kThreads) out_row[j] = out_value(j < width ? j : -1, req, p);
       continue;
     }
     if (one_cta) {  // a short row (a padded launch's width is no guide): in registers
-      registers_select_row_solo<kSoloKpt>(p, x_row, start, end, req, out_row, cluster, s.base);
+      registers_select_row_solo<32>(p, x_row, start, end, req, out_row, cluster, s.base);
       continue;
     }
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     const int nwords = (width + 31) >> 5;
     const int iters = (nvec + kThreads - 1) / kThreads;  // uniform over the block: shuffles see every lane
-    // SPLIT: this CTA's share of the pass, whole batches of kUnroll iterations; `used` CTAs have one
+    // SPLIT: this CTA's share of the pass, whole batches of kStreamUnroll iterations; `used` CTAs have one
     int it_lo = 0, it_hi = iters, used = 1;
     if (SPLIT) {
-      const int batches = (iters + kUnroll - 1) / kUnroll;
+      const int batches = (iters + kStreamUnroll - 1) / kStreamUnroll;
       used = min(csize, batches);
-      it_lo = rank < used ? (rank * batches / used) * kUnroll : iters;
-      it_hi = rank < used ? min(iters, ((rank + 1) * batches / used) * kUnroll) : iters;
+      it_lo = rank < used ? (rank * batches / used) * kStreamUnroll : iters;
+      it_hi = rank < used ? min(iters, ((rank + 1) * batches / used) * kStreamUnroll) : iters;
       if (rank > 0 && rank < used)  // this CTA's first batch into L2 while it computes the sample (CTA 0's: above)
-        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads, min(end, base + 4 * (it_lo + kUnroll) * kThreads));
+        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads, min(end, base + 4 * (it_lo + kStreamUnroll) * kThreads));
       if (wait_pending) cluster_wait();  // the previous long row's second barrier (CTA 0 has appended it all)
       wait_pending = false;
     }
@@ -1078,35 +1071,35 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
     // Two batches in flight: the next batch's loads are issued before this one is examined (one CTA's loads are
     // latency-bound: ~1.9 us per batch of 8 float4s per thread when each waited for the last).
     auto batch_inside = [&](int it0) {  // uniform
-      return p.aligned && it0 * kThreads >= v_lo && (it0 + kUnroll) * kThreads <= v_hi;
+      return p.aligned && it0 * kThreads >= v_lo && (it0 + kStreamUnroll) * kThreads <= v_hi;
     };
-    auto load_batch = [&](int it0, float4 (&q)[kUnroll]) {
+    auto load_batch = [&](int it0, float4 (&q)[kStreamUnroll]) {
       if (batch_inside(it0)) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
+        for (int u = 0; u < kStreamUnroll; ++u)
           q[u] = __ldg(reinterpret_cast<const float4*>(x_row + base + 4 * ((it0 + u) * kThreads + t)));
       } else {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kStreamUnroll; ++u) {
           const int v = (it0 + u) * kThreads + t;
           q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
         }
       }
     };
-    float4 q_next[kUnroll];
+    float4 q_next[kStreamUnroll];
     load_batch(it_lo, q_next);
     if (SPLIT) cluster_wait();
-    for (int it0 = it_lo; it0 < it_hi; it0 += kUnroll) {
-      float4 q[kUnroll];
+    for (int it0 = it_lo; it0 < it_hi; it0 += kStreamUnroll) {
+      float4 q[kStreamUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) q[u] = q_next[u];
-      if (it0 + kUnroll < it_hi) load_batch(it0 + kUnroll, q_next);
+      for (int u = 0; u < kStreamUnroll; ++u) q[u] = q_next[u];
+      if (it0 + kStreamUnroll < it_hi) load_batch(it0 + kStreamUnroll, q_next);
       const bool inside = batch_inside(it0);
       // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
       unsigned take = 0u;
       if (inside && float_compare) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kStreamUnroll; ++u) {
           take |= (q[u].x >= threshold_value ? 1u : 0u) << (4 * u);
           take |= (q[u].y >= threshold_value ? 2u : 0u) << (4 * u);
           take |= (q[u].z >= threshold_value ? 4u : 0u) << (4 * u);
@@ -1114,7 +1107,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
         }
       } else {  // the window's edges (columns outside it have key 0) or a threshold at -inf: compare keys
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < kStreamUnroll; ++u) {
           unsigned key[4];  // columns past the window (v >= nvec) get key 0 here too
           keys4(q[u], base + 4 * ((it0 + u) * kThreads + t), start, end, key);
 #pragma unroll
@@ -1136,7 +1129,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
           const int u = bit >> 2, i = bit & 3;
           float4 v4 = zero;
 #pragma unroll
-          for (int uu = 0; uu < kUnroll; ++uu) v4 = uu == u ? q[uu] : v4;  // registers: no local array
+          for (int uu = 0; uu < kStreamUnroll; ++uu) v4 = uu == u ? q[uu] : v4;  // registers: no local array
           const float value = i == 0 ? v4.x : i == 1 ? v4.y : i == 2 ? v4.z : v4.w;
           const unsigned kk = order_key(value);
           cand_lo = min(cand_lo, kk);
@@ -1269,11 +1262,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) topk_stream_kernel(Param
   print_stage_clocks();
 }
 
-template <bool SPLIT, int MIN_BLOCKS = 1>
+template <bool SPLIT>
 cudaError_t configure_stream() {
   static bool configured = false;  // host work once per kernel: the >48 KB dynamic shared memory opt-in
   if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel<SPLIT, MIN_BLOCKS>,
+    const cudaError_t err = cudaFuncSetAttribute(topk_stream_kernel<SPLIT>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  (int)sizeof(StreamShared));
     if (err != cudaSuccess) return err;
@@ -1282,25 +1275,18 @@ cudaError_t configure_stream() {
   return cudaSuccess;
 }
 
-template <int MIN_BLOCKS>
-cudaError_t launch_stream_blocks(const Params& p, int grid, int cluster, cudaStream_t stream) {
+// `grid` rows at a time (CTAs loop over the rows), each on `cluster` CTAs (1: no cluster; 2, 4 or 8: the split pass).
+cudaError_t launch_stream(const Params& p, int grid, int cluster, cudaStream_t stream) {
   if (cluster <= 1) {
-    const cudaError_t err = configure_stream<false, MIN_BLOCKS>();
+    const cudaError_t err = configure_stream<false>();
     if (err != cudaSuccess) return err;
-    topk_stream_kernel<false, MIN_BLOCKS><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
+    topk_stream_kernel<false><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
     return cudaSuccess;
   }
-  const cudaError_t err = configure_stream<true, MIN_BLOCKS>();
+  const cudaError_t err = configure_stream<true>();
   if (err != cudaSuccess) return err;
-  return launch_in_clusters(topk_stream_kernel<true, MIN_BLOCKS>, dim3((unsigned)(grid * cluster), 1, 1), kThreads,
+  return launch_in_clusters(topk_stream_kernel<true>, dim3((unsigned)(grid * cluster), 1, 1), kThreads,
                             (unsigned)cluster, sizeof(StreamShared), stream, p);
-}
-
-// `grid` rows at a time (CTAs loop over the rows), each on `cluster` CTAs (1: no cluster; 2, 4 or 8: the split
-// pass), `ctas_per_sm` 1 (128 registers a thread) or 2 (64: the dense kernel).
-cudaError_t launch_stream(const Params& p, int grid, int cluster, int ctas_per_sm, cudaStream_t stream) {
-  return ctas_per_sm >= 2 ? launch_stream_blocks<2>(p, grid, cluster, stream)
-                          : launch_stream_blocks<1>(p, grid, cluster, stream);
 }
 
 // ---- The prefill kernel: a prefill chunk's rows (thousands of rows of 8K-1M columns; issue 27). The streaming
@@ -1322,31 +1308,6 @@ template <int T>
 constexpr int prefill_unroll() { return T >= 512 ? 4 : 6; }
 constexpr int kPrefillSampleKeys = 8192;    // 2048 float4s spread over the row
 
-// A variant (1; benchmarks compare it): the candidate pass with no block barrier. Each warp appends its candidates to
-// its own segment of the buffer (kPrefillCap / warps slots), at positions from warp ballots, in a fixed order (step,
-// u, the float4's element, lane), so the output stays bitwise repeatable; each float4's register is reloaded with the
-// next step's float4 as soon as its keys are taken, so a thread keeps U loads in flight through the whole pass (the
-// shipped pass waits at a block scan per step with none in flight). The select reads each warp's own segment, the
-// ordered write goes out warp by warp. A warp whose segment overflows sends the row to the exact fallback, as a full
-// buffer does. ncu put the shipped kernel at 24% of DRAM bandwidth with three CTAs per SM at 1024 x 32K (166 us,
-// SGLang 82.8; docs/performance.md, issue 27).
-#ifndef DSA_TOPK_PREFILL_WARP_SLOTS
-#define DSA_TOPK_PREFILL_WARP_SLOTS 0
-#endif
-constexpr bool kPrefillWarpSlots = DSA_TOPK_PREFILL_WARP_SLOTS;
-
-// A variant (1; benchmarks compare it): a row of up to 2 x kPrefillCap columns (8K decode-length rows of a prefill
-// chunk, V4's compressed rows) keeps every column, its keys only, at the slot of its column (column = base + slot,
-// so no column is stored and no scan assigns slots): the pass issues its loads and stores the keys with no block
-// barrier, skipping the sample (which, at 8K columns, reads as many keys as the row has). The select and the ordered
-// write read those slots in column order. The aim: 1024 rows x 8K (the register kernel's 1 CTA per row, four waves,
-// 48.4 us; SGLang 29.6), taken here three CTAs per SM, one row's select beside other rows' loads.
-#ifndef DSA_TOPK_PREFILL_KEEP_ALL
-#define DSA_TOPK_PREFILL_KEEP_ALL 0
-#endif
-constexpr bool kPrefillKeepAll = DSA_TOPK_PREFILL_KEEP_ALL;
-constexpr int kPrefillKeepAllCols = 2 * kPrefillCap;  // keys of the candidates' key and column arrays together
-
 template <int T>
 struct PrefillShared {
   int hist[2][kBins];
@@ -1354,21 +1315,14 @@ struct PrefillShared {
   int found[3];
   int warp_sum[2][T / 32];
   unsigned min_max[2][T / 32];  // per-warp min / max of a key set (block_min_max)
-  int warp_count[T / 32];       // DSA_TOPK_PREFILL_WARP_SLOTS: the candidates each warp appended
   union {
     struct {
       unsigned cand_key[kPrefillCap];
       int cand_col[kPrefillCap];
     };
     unsigned sample[kPrefillSampleKeys];  // the sampled keys, before any candidate is written
-    // DSA_TOPK_PREFILL_KEEP_ALL: key of column base + slot, read and written as uint4, so 16-byte aligned (which
-    // aligns the whole union). Only in that build: the 4 bytes of padding cost the shipped 256-thread kernel a spill.
-    alignas(kPrefillKeepAll ? 16 : alignof(unsigned)) unsigned row_key[kPrefillKeepAllCols];
   };
 };
-static_assert(!kPrefillKeepAll || (offsetof(PrefillShared<256>, row_key) % 16 == 0 &&
-                                   offsetof(PrefillShared<512>, row_key) % 16 == 0),
-              "the keep-all pass reads and writes row_key as uint4");
 
 // Exclusive block scan of `mine` (the step's warp sums in warp_sum[parity]): the thread's offset among the
 // block's, and the block's total. One barrier: the other parity's buffer is written by the next step, and every
@@ -1454,54 +1408,6 @@ __device__ __forceinline__ int prefill_pass(const float* x_row, int base, int nv
   return taken;
 }
 
-// The warp-slot pass (DSA_TOPK_PREFILL_WARP_SLOTS): keys >= threshold (>= 1: never a padding key) to this warp's
-// segment of the candidates; returns the warp's count (uniform over the warp; slots past the segment are not written,
-// the count says so).
-template <int T>
-__device__ __forceinline__ int prefill_pass_by_warp(const float* x_row, int base, int nvec, int start, int end,
-                                                    int aligned, unsigned threshold, PrefillShared<T>& s,
-                                                    unsigned& lo, unsigned& hi) {
-  constexpr int U = prefill_unroll<T>();
-  constexpr int kSeg = kPrefillCap / (T / 32);
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const unsigned lanes_below = (1u << lane) - 1u;
-  unsigned* seg_key = s.cand_key + warp * kSeg;
-  int* seg_col = s.cand_col + warp * kSeg;
-  const int steps = (nvec + T * U - 1) / (T * U);  // uniform over the block
-  auto load = [&](int v) {
-    return v < nvec ? raw_load4(x_row, base + 4 * v, start, end, aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
-  };
-  float4 q[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) q[u] = load(u * T + t);
-  int count = 0;
-  for (int step = 0; step < steps; ++step) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = step * T * U + u * T + t;
-      unsigned key[4];  // columns past the window get key 0
-      keys4(q[u], base + 4 * v, start, end, key);
-      if (step + 1 < steps) q[u] = load(v + T * U);  // in flight while this step's other keys are taken
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool take = key[i] >= threshold;
-        const unsigned taken = __ballot_sync(0xffffffffu, take);
-        if (take) {
-          const int pos = count + __popc(taken & lanes_below);
-          if (pos < kSeg) {
-            seg_key[pos] = key[i];
-            seg_col[pos] = base + 4 * v + i;
-          }
-          lo = min(lo, key[i]);
-          hi = max(hi, key[i]);
-        }
-        count += __popc(taken);
-      }
-    }
-  }
-  return count;
-}
-
 template <int T, int MIN_BLOCKS>
 __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char prefill_smem[];
@@ -1525,14 +1431,12 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     const int base = start & ~3;  // float4 v covers columns base + 4v .. base + 4v + 3
     const int nvec = (end - base + 3) >> 2;
     first_stage_clock();  // (the probe: the stages of this CTA's first row that reaches the select)
-    const bool keep_all = kPrefillKeepAll && nvec <= kPrefillKeepAllCols / 4;  // uniform
     for (int j = t; j < kBins / 4; j += T) reinterpret_cast<int4*>(s.hist[0])[j] = make_int4(0, 0, 0, 0);
 
     // ---- 1. the threshold: every column when the window fits the candidates, else from a sample
     int level = 0, bin, need, count;
     unsigned threshold = 1u;  // key 0 marks padding, never a candidate
-    // (warp slots: every warp's share of a row of <= kPrefillCap / 4 float4s fits its segment)
-    if (!keep_all && (kPrefillWarpSlots ? nvec > kPrefillCap / 4 : width > kPrefillCap)) {
+    if (width > kPrefillCap) {
       constexpr int kVecs = kPrefillSampleKeys / 4 / T;  // sampled float4s per thread
       // The threshold aims at `target` candidates, 2 k for k <= 2048 (4096: as far, relative to its own spread,
       // from the k it must reach as from the capacity it must not pass), the midpoint of k and the capacity above.
@@ -1596,81 +1500,22 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     stage_clock();
 
     // ---- 2. one pass: keys >= threshold, in the fixed order, to the candidates
-    constexpr int kSeg = kPrefillCap / (T / 32);  // warp slots: each warp's segment
-    const int lane = t & 31, warp = t >> 5;
     unsigned cand_lo = 0xffffffffu, cand_hi = 0u;
-    int n_cand = 0, warp_cand = 0;
-    const bool by_warp = kPrefillWarpSlots && !keep_all;  // uniform
-    if (keep_all) {  // every column's key at its slot: loads in flight together, no barrier
-      constexpr int U = prefill_unroll<T>();
-      for (int v0 = 0; v0 < nvec; v0 += T * U) {
-        float4 q[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int v = v0 + u * T + t;
-          q[u] = v < nvec ? raw_load4(x_row, base + 4 * v, start, end, p.aligned) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int v = v0 + u * T + t;
-          if (v < nvec) {
-            unsigned key[4];  // columns past the window get key 0
-            keys4(q[u], base + 4 * v, start, end, key);
-            reinterpret_cast<uint4*>(s.row_key)[v] = make_uint4(key[0], key[1], key[2], key[3]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              if (key[i] != 0u) {
-                cand_lo = min(cand_lo, key[i]);
-                cand_hi = max(cand_hi, key[i]);
-              }
+    const int n_cand = prefill_pass<T>(
+        x_row, base, nvec, start, end, p.aligned, s, [&](unsigned kk, int) { return kk >= threshold; },
+        [&](int slot, unsigned kk, int c) {
+          if (slot < kPrefillCap) {
+            s.cand_key[slot] = kk;
+            s.cand_col[slot] = c;
           }
-        }
-      }
-      n_cand = 4 * nvec;  // slots, the window's columns among them
-    } else if (by_warp) {
-      warp_cand = prefill_pass_by_warp<T>(x_row, base, nvec, start, end, p.aligned, threshold, s, cand_lo, cand_hi);
-      if (lane == 0) s.warp_count[warp] = warp_cand;
-    } else {
-      n_cand = prefill_pass<T>(
-          x_row, base, nvec, start, end, p.aligned, s, [&](unsigned kk, int) { return kk >= threshold; },
-          [&](int slot, unsigned kk, int c) {
-            if (slot < kPrefillCap) {
-              s.cand_key[slot] = kk;
-              s.cand_col[slot] = c;
-            }
-          },
-          cand_lo, cand_hi);
-    }
-    block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates (and the warps' counts) are complete
+        },
+        cand_lo, cand_hi);
+    block_min_max<T>(cand_lo, cand_hi, s);  // its barrier: the candidates are complete
     stage_clock();
-    bool fast;  // uniform; else the exact select over the row
-    if (keep_all) {
-      fast = true;
-    } else if (by_warp) {
-      int fullest = 0;
-#pragma unroll
-      for (int w = 0; w < T / 32; ++w) {
-        n_cand += s.warp_count[w];
-        fullest = max(fullest, s.warp_count[w]);
-      }
-      fast = n_cand >= p.k && fullest <= kSeg;
-    } else {
-      fast = n_cand >= p.k && n_cand <= kPrefillCap;
-    }
+    const bool fast = n_cand >= p.k && n_cand <= kPrefillCap;  // uniform; else the exact select over the row
 
     auto for_each_key = [&](auto&& f) {
-      if (keep_all) {  // the slots in column order, four keys per shared-memory read
-        for (int v = t; v < nvec; v += T) {
-          const uint4 kk = reinterpret_cast<const uint4*>(s.row_key)[v];
-          const int c0 = base + 4 * v;
-          f(kk.x, c0);
-          f(kk.y, c0 + 1);
-          f(kk.z, c0 + 2);
-          f(kk.w, c0 + 3);
-        }
-      } else if (fast && by_warp) {  // each warp its own segment
-        for (int j = warp * kSeg + lane; j < warp * kSeg + warp_cand; j += 32) f(s.cand_key[j], s.cand_col[j]);
-      } else if (fast) {
+      if (fast) {
         for (int i = t; i < n_cand; i += T) f(s.cand_key[i], s.cand_col[i]);
       } else {
         for (int v = t; v < nvec; v += T) {
@@ -1742,16 +1587,12 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
     if (fast) {
       // Warp w owns candidate slots [w * per, (w + 1) * per), read 32 consecutive slots at a time (no bank
       // conflicts); its selected keys go out in slot order after the lower warps' (one block scan of the counts).
-      // (warp slots: warp w's own segment, in its slot order)
+      const int lane = t & 31, warp = t >> 5;
       const int per = ((n_cand + T - 1) / T) * 32;
-      const int i0 = by_warp ? warp * kSeg : warp * per;
-      const int i1 = by_warp ? i0 + warp_cand : min(n_cand, i0 + per);
-      // (keep all: slot i holds column base + i, its key in row_key)
-      auto key_at = [&](int i) { return keep_all ? s.row_key[i] : s.cand_key[i]; };
-      auto col_at = [&](int i) { return keep_all ? base + i : s.cand_col[i]; };
+      const int i0 = warp * per, i1 = min(n_cand, i0 + per);
       int mine = 0;
       for (int i = i0 + lane; i - lane < i1; i += 32) {
-        const bool sel = i < i1 && selected(key_at(i), col_at(i));
+        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
         mine += __popc(__ballot_sync(0xffffffffu, sel));
       }
       int total;
@@ -1759,9 +1600,9 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
       slot = __shfl_sync(0xffffffffu, slot, 0);
       const unsigned lanes_below = (1u << lane) - 1u;
       for (int i = i0 + lane; i - lane < i1; i += 32) {
-        const bool sel = i < i1 && selected(key_at(i), col_at(i));
+        const bool sel = i < i1 && selected(s.cand_key[i], s.cand_col[i]);
         const unsigned mask = __ballot_sync(0xffffffffu, sel);
-        if (sel) out_row[slot + __popc(mask & lanes_below)] = out_value(col_at(i) - start, req, p);
+        if (sel) out_row[slot + __popc(mask & lanes_below)] = out_value(s.cand_col[i] - start, req, p);
         slot += __popc(mask);
       }
     } else {
@@ -1774,7 +1615,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
           unused_lo, unused_hi);
     }
     __syncthreads();  // histograms, candidates and warp sums are reused by the next row
-    last_stage_clock(keep_all ? -3 : -2, 1, level);
+    last_stage_clock(-2, 1, level);
   }
   print_stage_clocks();
 }
@@ -1860,7 +1701,7 @@ cudaError_t launch_routed(Params p, int cluster, int stream_grid, cudaStream_t s
   p.route = 2;
   if ((err = launch<KPT>(p, cluster, p.rows, r->side)) != cudaSuccess) return err;
   p.route = 1;
-  if ((err = launch_stream(p, stream_grid, 1, 1, stream)) != cudaSuccess) return err;
+  if ((err = launch_stream(p, stream_grid, 1, stream)) != cudaSuccess) return err;
   if ((err = cudaEventRecord(r->join, r->side)) != cudaSuccess) return err;
   return cudaStreamWaitEvent(stream, r->join, 0);
 }
@@ -1921,36 +1762,35 @@ int dsa_topk_routed_launch(const float* x, long long x_stride, int rows, int col
 }
 
 // The streaming kernel (`cluster` CTAs per row: 1, or 2 / 4 / 8 for the split pass; `grid` rows at a time, looping
-// over the rows; `ctas_per_sm` 1, or 2 for the dense kernel): rows of at most dsa_topk_stream_max_cols() columns;
-// needs dsa_topk_stream_smem_bytes() of opt-in shared memory per CTA.
+// over the rows): rows of at most dsa_topk_stream_max_cols() columns; needs dsa_topk_stream_smem_bytes() of opt-in
+// shared memory per CTA.
 int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
 
-// The most CTAs per row (8, 4 or 2) whose clusters of the split pass this GPU can co-schedule (one CTA per SM with
-// its shared memory; a GPC holds the cluster), else 1: the split plan is capped by it.
-int dsa_topk_stream_max_cluster() {
-  if (configure_stream<true>() != cudaSuccess) return 1;
-  for (int cluster = 8; cluster >= 2; cluster /= 2) {
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads,
-                                                            (unsigned)cluster, sizeof(StreamShared), nullptr, attr);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true, 1>, &config) == cudaSuccess &&
-        clusters > 0)
-      return cluster;
+// How many clusters of `cluster` CTAs (2, 4 or 8) of the split pass this GPU runs at once (one CTA per SM with its
+// shared memory; a GPC holds a cluster, so GPCs whose SM count is not a multiple of `cluster` leave SMs idle: on an
+// H100 SXM 30 clusters of 4 on 132 SMs), 0 where none fits. Rows beyond it would run in a second wave, so the split
+// plan narrows its clusters until its rows fit (topk.py).
+int dsa_topk_stream_active_clusters(int cluster) {
+  if (cluster < 2 || cluster > 8 || configure_stream<true>() != cudaSuccess) return 0;
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads, (unsigned)cluster,
+                                                          sizeof(StreamShared), nullptr, attr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true>, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refused query leaves no error for the next launch to report
+    return 0;
   }
-  (void)cudaGetLastError();  // a refused query leaves no error for the next launch to report
-  return 1;
+  return clusters;
 }
 long long dsa_topk_stream_smem_bytes() { return (long long)sizeof(StreamShared); }
 
 int dsa_topk_stream_launch(const float* x, long long x_stride, int rows, int cols, int k, const int* starts,
                            const int* ends, const int* block_table, long long bt_stride, const int* row_request,
-                           int* out, int grid, int cluster, int ctas_per_sm, int aligned, void* stream) {
-  if (cols > kStreamMaxCols || grid < 1 || (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8) ||
-      (ctas_per_sm != 1 && ctas_per_sm != 2))
+                           int* out, int grid, int cluster, int aligned, void* stream) {
+  if (cols > kStreamMaxCols || grid < 1 || (cluster != 1 && cluster != 2 && cluster != 4 && cluster != 8))
     return (int)cudaErrorInvalidValue;
   Params p{x, x_stride, rows, cols, k, starts, ends, block_table, bt_stride, row_request, out, aligned};
-  const cudaError_t err = launch_stream(p, grid, cluster, ctas_per_sm, (cudaStream_t)stream);
+  const cudaError_t err = launch_stream(p, grid, cluster, (cudaStream_t)stream);
   if (err != cudaSuccess) return (int)err;
   return (int)cudaGetLastError();
 }
