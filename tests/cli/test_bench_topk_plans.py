@@ -40,7 +40,7 @@ def test_the_prefill_kernel_is_forced_where_there_are_rows_for_every_sm():
 
 
 def test_a_variant_retimes_every_launch_a_build_can_change(monkeypatch):
-    impls = _labels(32, 163840, 8192, variants=["rk=DSA_TOPK_ROW_KPT=1"])
+    impls = _labels(32, 163840, 8192, variants=["rk=DSA_TOPK_ROW_KPT=0"])
     ours = [name for name in impls if "[" not in name]
     for name in ours:
         rebuilt = f"{name} [rk]" in impls
@@ -53,6 +53,6 @@ def test_a_variant_retimes_every_launch_a_build_can_change(monkeypatch):
     monkeypatch.setattr(cuda_topk, "_stream_active_clusters", types.SimpleNamespace(cache_clear=lambda: None))
     impls["cuda.radix stream x2 [rk]"]()
     impls["cuda.radix stream x2"]()
-    assert seen == [(cuda_topk.Plan("stream", 2, 0), ("DSA_TOPK_ROW_KPT=1",)),
+    assert seen == [(cuda_topk.Plan("stream", 2, 0), ("DSA_TOPK_ROW_KPT=0",)),
                     (cuda_topk.Plan("stream", 2, 0), ())]
     assert cuda_topk.REGISTER_DEFINES == ()  # the shipped build again after the variant's call

@@ -73,12 +73,6 @@ constexpr bool kStageClocks = DSA_TOPK_STAGE_CLOCKS;
 // level and warp 0 alone reading the lower peers' totals for the output offset, this cut the cluster rows by up to
 // 1.1 us (H200, topk_variants_s15_h200.json: 1 x 32K 11.8 -> 10.8, 1 x 128K 14.6 -> 13.5, V4 1 x 32K 11.9 -> 10.8).
 constexpr int kPeersByWarpFrom = 4;
-// A variant (1; benchmarks compare it): a solo row's find_bin has every warp scan the group sums and the crossing
-// group's bins itself, instead of warp 0 publishing the bin through shared memory behind a third block barrier.
-#ifndef DSA_TOPK_SOLO_WARPS_FIND
-#define DSA_TOPK_SOLO_WARPS_FIND 0
-#endif
-constexpr bool kSoloWarpsFind = DSA_TOPK_SOLO_WARPS_FIND;
 constexpr int kMaxStages = 16;
 
 struct Params {
@@ -277,19 +271,13 @@ __device__ __forceinline__ void cluster_or_block_sync(cg::cluster_group& cluster
 // (a loop that waits for each peer in turn pays one round trip per peer and stage: H200, 1 x 128K on 16 CTAs 15.5
 // -> 14.2 us, 32 rows of 32K in a 10-CTA cluster sized for a 163840 width 35.3 -> 22.9 with the early exit).
 __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s, cg::cluster_group& cluster,
-                                         int csize, int used, int& bin, int& need, int& count,
-                                         bool warps_find = false) {
+                                         int csize, int used, int& bin, int& need, int& count) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   // One cluster barrier per level: the group sums alternate between two halves of s.group by the histogram's
   // parity, so a peer may still read the previous level's while we write this one's; `next` is cleared after the
   // barrier, when every peer has read it (one level ago, before it arrived).
-  // DSA_TOPK_SOLO_WARPS_FIND (warps_find, a solo row): every warp finds the bin itself, with no third barrier; `next`
-  // is then cleared before the second barrier (every warp is past the previous level's reads at the first), so
-  // before any warp's next-level atomics.
-  const bool solo_warps = warps_find && csize == 1;
   int* group_sums = s.group + (h == s.hist[0] ? 0 : kBins / 32);
   __syncthreads();  // this CTA's atomics of this level are complete
-  if (solo_warps) reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
   const int4 v = reinterpret_cast<const int4*>(h)[t];
   int m = v.x + v.y + v.z + v.w;  // bins 4t..4t+3; 8 consecutive threads hold one group of 32 bins
   m += __shfl_xor_sync(0xffffffffu, m, 1);
@@ -297,18 +285,6 @@ __device__ __forceinline__ void find_bin(int* h, int* next, int k_rem, Shared& s
   m += __shfl_xor_sync(0xffffffffu, m, 4);
   if ((lane & 7) == 0) group_sums[t >> 3] = m;
   cluster_or_block_sync(cluster, csize);  // every CTA's group sums (and so its atomics) are complete
-  if (solo_warps) {
-    const int2 pair = reinterpret_cast<const int2*>(group_sums)[lane];
-    int group, above;
-    crossing_group(pair.x, pair.y, k_rem, group, above);
-    const int c = h[group * 32 + lane];
-    const int above_bin = above + warp_suffix_sum(c) - c;  // the bins above, larger keys first
-    const int src = __ffs(__ballot_sync(0xffffffffu, above_bin < k_rem && above_bin + c >= k_rem)) - 1;
-    bin = group * 32 + src;
-    need = k_rem - __shfl_sync(0xffffffffu, above_bin, src);
-    count = __shfl_sync(0xffffffffu, c, src);
-    return;  // these reads of h and the group sums end before any warp's next write to them: behind its next barrier
-  }
   reinterpret_cast<int4*>(next)[t] = make_int4(0, 0, 0, 0);
   const bool by_warp = used > kPeersByWarpFrom;  // uniform over the cluster
   if (by_warp) {  // warp w: peer w's 64 group sums
@@ -632,7 +608,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         if (key[e] != 0u) atomicAdd(&h[window_bin(key[e])], 1);
       }
       int bin, need, count;
-      find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
+      find_bin(h, s.hist[1], k_rem, s, cluster, csize, used, bin, need, count);
       stage_clock();
       ++level;
       if (window_prefix(bin, prefix)) {  // uniform: every CTA found the same bin
@@ -653,7 +629,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
         if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
       }
       int bin, need, count;
-      find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
+      find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
       stage_clock();
       ++level;
       prefix = (shift >= 32 ? 0u : (prefix << (shift - nshift))) | (unsigned)bin;
@@ -684,7 +660,7 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
           }
         }
         int bin, need, count;
-        find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count, kSoloWarpsFind);
+        find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
         stage_clock();
         ++level;
         prefix2 = (shift2 >= kColBits ? 0u : (prefix2 << (shift2 - nshift))) | (unsigned)bin;
@@ -790,13 +766,13 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
   }
 }
 
-// A variant (1; benchmarks compare it): in the 32-keys-per-thread kernel (launched for widths past 16 x 8K, i.e.
-// logits padded to max_model_len), a row that 16 keys per thread hold (over the cluster, or on one CTA for a solo
-// row) is selected at 16, as the launch for its own width would: a cluster row on twice as many CTAs (padded 32 x 32K
-// in 163840: 22.3 us, the 4 x 16 launch of the 32K width 17.2), a solo row without the 32-key code's loop exits
-// (padded 1 x 8K 11.4, the streaming kernel's 16-key select of the 8K width 9.9; H200, topk_variants_s15_h200.json).
+// In the 32-keys-per-thread kernel (launched for widths past 16 x 8K, i.e. logits padded to max_model_len), a row
+// that 16 keys per thread hold (over the cluster, or on one CTA for a solo row) is selected at 16, as the launch for
+// its own width would: a cluster row on twice as many CTAs, a solo row without the 32-key code's loop exits. Timed
+// against 0 (H100, one process, topk_engines_variants_s18_h100.json, us): padded 1 x 8K in 163840 11.8 -> 10.2,
+// 32 x 8K 12.2 -> 11.4, the other 28 cells within 0.3. 0 builds the old select for comparisons.
 #ifndef DSA_TOPK_ROW_KPT
-#define DSA_TOPK_ROW_KPT 0
+#define DSA_TOPK_ROW_KPT 1
 #endif
 constexpr bool kRowKpt = DSA_TOPK_ROW_KPT;
 
@@ -883,6 +859,30 @@ constexpr int kStreamCandCap = 6144;
 constexpr int kStreamMaxCols = 1 << 18;  // bitmap of 8K words; below 2^kColBits for the column tie-break
 constexpr int kStreamSampleVecs = 4;     // float4s per thread in the sample
 constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
+
+// Float4 i of a sample of n float4s of a window of nvec (i = j * threads + thread): runs of kSampleRun consecutive
+// float4s (128 B, read by 8 lanes of a warp) spread evenly over the window. The first sample took single float4s
+// spread evenly: one every 256 B of a 128K row, one every 64 B of a 32K row, each its own DRAM access, so the sample
+// read a quarter of a long row's lines and every line of a 32K row, scattered (stage clocks, H100: the sample 17 us
+// of 128 x 128K's 52, 9.8 of 128 x 32K's 18 at k = 512, 30 of 1024 x 32K prefill rows' 65; topk_stage_clocks_*_s18).
+// Runs read n x 16 B in whole lines. Windows shorter than n float4s keep the single-float4 spread.
+// DSA_TOPK_SAMPLE_RUN=1 builds the single-float4 spread for comparisons. Runs of >= 8 keep the products in 32 bits:
+// i x nvec < n x n where nvec < n, and (i / kSampleRun) x nvec < 2^30 for n <= 2048 and windows below 2^24 columns
+// (the prefill kernel's bound; the streaming kernel's is 2^18).
+#ifndef DSA_TOPK_SAMPLE_RUN
+#define DSA_TOPK_SAMPLE_RUN 8
+#endif
+constexpr int kSampleRun = DSA_TOPK_SAMPLE_RUN;
+template <int N>
+__device__ __forceinline__ int sample_vec(int i, int nvec) {
+  static_assert(N <= 2048 && N % kSampleRun == 0, "sample positions: runs dividing the sample");
+  if constexpr (kSampleRun < 8) {
+    return (int)(((long long)(i / kSampleRun) * nvec) / (N / kSampleRun)) + i % kSampleRun;
+  } else {
+    const unsigned ui = (unsigned)i, un = (unsigned)nvec;  // unsigned: the divisions by powers of two are shifts
+    return (int)(un < N ? ui * un / N : (ui / kSampleRun) * un / (N / kSampleRun) + ui % kSampleRun);
+  }
+}
 
 struct StreamShared {
   Shared base;
@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       int c0[kStreamSampleVecs];
 #pragma unroll
       for (int j = 0; j < kStreamSampleVecs; ++j) {
-        c0[j] = base + 4 * (int)(((long long)(j * kThreads + t) * nvec) / (kStreamSampleVecs * kThreads));
+        c0[j] = base + 4 * sample_vec<kStreamSampleVecs * kThreads>(j * kThreads + t, nvec);
         q[j] = raw_load4(x_row, c0[j], start, end, p.aligned);
       }
 #pragma unroll
@@ -1448,17 +1448,14 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
       int m = (int)(want < 1 ? 1 : (want > kPrefillCap ? kPrefillCap : want));
       unsigned lo = 0xffffffffu, hi = 0u;  // over the sampled window keys
       {
-        float4 q[kVecs];
-        int c0[kVecs];
+        float4 q[kVecs];  // (the columns are computed again below: cheaper than registers held over the loads)
 #pragma unroll
-        for (int j = 0; j < kVecs; ++j) {
-          c0[j] = base + 4 * (int)(((long long)(j * T + t) * nvec) / (kVecs * T));
-          q[j] = raw_load4(x_row, c0[j], start, end, p.aligned);
-        }
+        for (int j = 0; j < kVecs; ++j)
+          q[j] = raw_load4(x_row, base + 4 * sample_vec<kVecs * T>(j * T + t, nvec), start, end, p.aligned);
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           unsigned key[4];
-          keys4(q[j], c0[j], start, end, key);
+          keys4(q[j], base + 4 * sample_vec<kVecs * T>(j * T + t, nvec), start, end, key);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             s.sample[(4 * j + i) * T + t] = key[i];  // kept in shared memory for the levels, not in registers
