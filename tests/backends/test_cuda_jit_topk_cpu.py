@@ -161,7 +161,7 @@ def width_plans(monkeypatch):
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
     (300, 4096, 1, 8), (300, 8192, 1, 16), (300, 9000, 1, 32), (1, 16385, 5, 8), (200, 8192, 1, 16),
-    (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (128, 32768, 2, 32),
+    (1, 32768, 8, 8), (32, 32768, 4, 16), (64, 32768, 2, 32), (127, 32768, 2, 32),
     (1, 131072, 16, 16), (31, 131072, 8, 32), (2, 70000, 9, 16), (1, 262144, 16, 32)])
 def test_register_plan(width_plans, rows, cols, cluster, keys):
     got = cuda_topk.plan_for(rows, cols, 132, 4)
@@ -189,8 +189,8 @@ def test_many_long_rows_take_the_streaming_kernel(width_plans, rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4) == cuda_topk.Plan("stream", split, 0)
 
 
-@pytest.mark.parametrize("rows,cols", [(128, 32768), (300, 9000), (31, 131072), (1, 163840), (32, 65536),
-                                       (128, 262145)])
+@pytest.mark.parametrize("rows,cols", [(127, 32768), (300, 9000), (31, 131072), (1, 163840), (32, 65536),
+                                       (128, 262145), (128, 32767)])
 def test_rows_that_fit_one_wave_or_are_short_or_too_wide_do_not_stream(width_plans, rows, cols):
     assert cuda_topk.plan_for(rows, cols, 132, 4).kernel != "stream"
 
@@ -201,9 +201,17 @@ def test_many_rows_at_v4_k_512_stream_from_32k_columns(width_plans, rows, cols):
     the register clusters."""
     split = cuda_topk.stream_cluster(rows, cols, 132)
     assert cuda_topk.plan_for(rows, cols, 132, 4, 512) == cuda_topk.Plan("stream", split, 0)
-    assert cuda_topk.plan_for(rows, cols, 132, 4, 2048).kernel == "registers"
+    at_2048 = "stream" if rows >= cuda_topk.MANY_ROWS_STREAM_MIN_ROWS else "registers"  # (128+ rows: any k)
+    assert cuda_topk.plan_for(rows, cols, 132, 4, 2048).kernel == at_2048
     assert cuda_topk.plan_for(63, cols, 132, 4, 512).kernel == "registers"
     assert cuda_topk.plan_for(rows, 32767, 132, 4, 512).kernel == "registers"
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 32768), (128, 40000), (200, 32768), (128, 262144)])
+def test_many_rows_of_32k_columns_or_more_stream_at_any_k(width_plans, rows, cols):
+    """From 128 rows of 32K-256K columns the streaming kernel at k = 2048 too; 127 rows keep the register clusters."""
+    assert cuda_topk.plan_for(rows, cols, 132, 4, 2048) == cuda_topk.Plan("stream", 1, 0)
+    assert cuda_topk.plan_for(127, 32768, 132, 4, 2048).kernel == "registers"
 
 
 @pytest.mark.parametrize("rows,cols,cluster", [(32, 163840, 4), (64, 131072, 2), (128, 131072, 1), (16, 65537, 8),
@@ -374,7 +382,7 @@ def routed_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("rows,cols,cluster,keys", [
-    (1, 16385, 5, 8), (1, 32768, 8, 8), (32, 32768, 4, 16), (128, 32768, 2, 32), (1, 131072, 16, 16),
+    (1, 16385, 5, 8), (1, 32768, 8, 8), (32, 32768, 4, 16), (100, 32768, 2, 32), (1, 131072, 16, 16),
     (32, 131072, 8, 32), (64, 131072, 8, 32), (1, 163840, 10, 32), (32, 163840, 10, 32), (1, 262144, 16, 32)])
 def test_routed_launch_for_rows_longer_than_one_cta_in_up_to_two_waves(routed_rows, rows, cols, cluster, keys):
     """Rows wider than 16K columns whose register clusters fit two waves: one routed launch (the rows' own lengths

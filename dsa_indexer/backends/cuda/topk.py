@@ -68,6 +68,10 @@ LONG_ROWS_STREAM_MIN_ROWS = 32
 # vs 20.4 / 24.6; at k = 2048 the clusters stay ahead or even: 20.4 / 25.2 vs 22.9 / 25.3).
 SMALL_K_STREAM_MAX_K = 512
 SMALL_K_STREAM_MIN_ROWS = 64
+# At any k, from 128 rows of 32K columns or more: since the sample reads whole lines, the streaming kernel beats the
+# register kernel's 2-CTA clusters there (H100, one process, topk_engines_sample_runs_s18_h100.json, us: 128 x 32K
+# 25.6 vs 28.3; at 64 x 32K they are even, 23.7 vs 23.1).
+MANY_ROWS_STREAM_MIN_ROWS = 128
 # The streaming kernel's split pass: a cluster of C CTAs per row shares a long row's pass (each streams 1/C of it
 # into CTA 0's candidates; CTA 0 selects), so the longest row of a launch with SMs to spare is read C times
 # faster (one SM reads ~40 GB/s: a 128K row's pass alone is ~12 us). Rows one CTA holds go to the cluster's CTAs
@@ -213,12 +217,12 @@ ROUTE_ROWS = False
 def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | None:
     """The launch for a [rows, cols] problem (cached: computed once per shape and device, shared by every layer
     of a step); None: no CUDA kernel holds such rows (the Triton top-k serves them). ``k``: at V4's k = 512, 64+
-    rows of 32K-256K columns stream (SMALL_K_STREAM_*). Rows longer than 32K whose register launch needs more
-    than two waves (two CTAs per SM each) take the streaming kernel: each wave pays the register kernel's barrier
-    chain again, while the streaming kernel reads each row once in one wave (H200, topk_engines_stream_h200.json:
-    128 x 128K 72 us streaming vs 104 us registers; at 64 x 128K, two waves, 66 vs 64 us, then; since the
-    streaming pass was made cheaper, from 32 rows of > 64K columns). Up to a wave of short rows (<= 16K columns)
-    take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least
+    rows of 32K-256K columns stream (SMALL_K_STREAM_*); at any k, 128+ such rows (MANY_ROWS_STREAM_MIN_ROWS).
+    Rows longer than 32K whose register launch needs more than two waves (two CTAs per SM each) take the streaming
+    kernel: each wave pays the register kernel's barrier chain again, while the streaming kernel reads each row
+    once in one wave (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at
+    64 x 128K, two waves, 66 vs 64 us, then; since the streaming pass was made cheaper, from 32 rows of > 64K
+    columns). Up to a wave of short rows (<= 16K columns) take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least
     PREFILL_MIN_ROWS rows of at least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel:
     small CTAs, three per SM, that overlap one row's select with other rows' streaming passes; so do rows too wide
     for the other CUDA kernels when there are at least as many as SMs (else the Triton top-k serves them, as
@@ -230,7 +234,8 @@ def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | 
     if (LONG_ROWS_STREAM_MIN_COLS < cols <= STREAM_MAX_COLS and rows >= LONG_ROWS_STREAM_MIN_ROWS
             and not ROUTE_ROWS):
         return Plan("stream", stream_cluster(rows, cols, sms), 0)
-    if k <= SMALL_K_STREAM_MAX_K and STREAM_MIN_COLS <= cols <= STREAM_MAX_COLS and rows >= SMALL_K_STREAM_MIN_ROWS:
+    if STREAM_MIN_COLS <= cols <= STREAM_MAX_COLS and (
+            rows >= MANY_ROWS_STREAM_MIN_ROWS or (k <= SMALL_K_STREAM_MAX_K and rows >= SMALL_K_STREAM_MIN_ROWS)):
         return Plan("stream", stream_cluster(rows, cols, sms), 0)
     reg = register_plan(rows, cols, sms)
     if (ROUTE_ROWS and reg is not None and SHORT_ROWS_MAX_COLS < cols <= STREAM_MAX_COLS
