@@ -222,11 +222,11 @@ def plan_for(rows: int, cols: int, sms: int, vec: int, k: int = 2048) -> Plan | 
     kernel: each wave pays the register kernel's barrier chain again, while the streaming kernel reads each row
     once in one wave (H200, topk_engines_stream_h200.json: 128 x 128K 72 us streaming vs 104 us registers; at
     64 x 128K, two waves, 66 vs 64 us, then; since the streaming pass was made cheaper, from 32 rows of > 64K
-    columns). Up to a wave of short rows (<= 16K columns) take the streaming kernel too, which selects each row in registers on one CTA. Prefill chunks (at least
-    PREFILL_MIN_ROWS rows of at least PREFILL_MIN_COLS columns, any width below 2^24) take the prefill kernel:
-    small CTAs, three per SM, that overlap one row's select with other rows' streaming passes; so do rows too wide
-    for the other CUDA kernels when there are at least as many as SMs (else the Triton top-k serves them, as
-    before)."""
+    columns). Up to a wave of short rows (<= 16K columns) take the streaming kernel too, which selects each row
+    in registers on one CTA. Prefill chunks (at least PREFILL_MIN_ROWS rows of at least PREFILL_MIN_COLS columns,
+    any width below 2^24) take the prefill kernel: small CTAs, three per SM, that overlap one row's select with
+    other rows' streaming passes; so do rows too wide for the other CUDA kernels when there are at least as many
+    as SMs (else the Triton top-k serves them, as before)."""
     if rows >= PREFILL_MIN_ROWS and PREFILL_MIN_COLS < cols < PREFILL_MAX_COLS:
         return Plan("prefill", 1, PREFILL_THREADS)
     if cols <= SHORT_ROWS_MAX_COLS and rows <= sms:
