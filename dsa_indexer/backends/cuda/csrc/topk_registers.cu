@@ -769,8 +769,9 @@ __device__ __forceinline__ void registers_select_row_solo(const Params& p, const
 // In the 32-keys-per-thread kernel (launched for widths past 16 x 8K, i.e. logits padded to max_model_len), a row
 // that 16 keys per thread hold (over the cluster, or on one CTA for a solo row) is selected at 16, as the launch for
 // its own width would: a cluster row on twice as many CTAs, a solo row without the 32-key code's loop exits. Timed
-// against 0 (H100, one process, topk_engines_variants_s18_h100.json, us): padded 1 x 8K in 163840 11.8 -> 10.2,
-// 32 x 8K 12.2 -> 11.4, the other 28 cells within 0.3. 0 builds the old select for comparisons.
+// against 0 (H100, one process each, topk_engines_small_variants_s18_h100.json and topk_engines_variants_s18_h100
+// .json, us): padded 1 x 8K in 163840, the one cell planned on this kernel at 32 keys, 11.0 -> 10.0 and 11.8 ->
+// 10.2; the other cells within noise. 0 builds the old select for comparisons.
 #ifndef DSA_TOPK_ROW_KPT
 #define DSA_TOPK_ROW_KPT 1
 #endif
