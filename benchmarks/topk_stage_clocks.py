@@ -6,10 +6,11 @@
 Each argument is a comma-separated list of defines for a build of `csrc/topk_registers.cu`; with the stage-clock probe
 on, the first CTA of a launch prints the SM cycles between the stages of its first row's select (entry, keys loaded,
 each radix level, the selection and scan, the ordered write; "KPT -1": a row the streaming kernel streams, whose
-stamps are entry, the sample's threshold, the pass, each radix level over the candidates, the bitmap's ordered write;
-"KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells 1024x32768x32768x2048), whose
-stamps are entry, the threshold (sampled, or none for a row kept whole), the candidate pass, each radix level, the
-ordered write, of the first CTA's first row). Each cell runs three times eagerly after a 256 MiB L2 flush, on real
+stamps are entry, the sample's loads and range, its threshold, the pass, each radix level over the candidates, the
+bitmap's ordered write; "KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells
+1024x32768x32768x2048), whose stamps are entry, the sample's loads and range (sampled rows only), the threshold, the
+candidate pass, each radix level, the ordered write, of the first CTA's first row). Session 18's stage clocks
+(`*_s18_h100.json`) predate the loads' own stamp: their first stage after entry is loads and levels together. Each cell runs three times eagerly after a 256 MiB L2 flush, on real
 V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right (the probe only reads
 the clock).
 """

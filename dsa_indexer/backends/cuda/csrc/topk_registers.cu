@@ -874,6 +874,16 @@ constexpr int kStreamUnroll = 8;         // float4 loads in flight per thread
 #define DSA_TOPK_SAMPLE_RUN 8
 #endif
 constexpr int kSampleRun = DSA_TOPK_SAMPLE_RUN;
+// A variant (DSA_TOPK_SAMPLE_LEVELS=1; benchmarks compare it): the threshold from the sample's first 11-bit level
+// alone where that level's bin overshoots the m-th sampled key by at most m / 4 keys (every sampled key of the bin
+// is then above the threshold: at most a quarter more candidates than aimed at, within the buffers), without the
+// second level's atomics and barriers. The stage clocks put the sample (loads, min / max, two levels) at 10.6K
+// cycles of 32 x 32K's 30.4K in a 163840 width, where its loads and levels alone should take ~6K; the probe now
+// stamps the loads apart from the levels to tell.
+#ifndef DSA_TOPK_SAMPLE_LEVELS
+#define DSA_TOPK_SAMPLE_LEVELS 2
+#endif
+constexpr int kSampleLevels = DSA_TOPK_SAMPLE_LEVELS;
 template <int N>
 __device__ __forceinline__ int sample_vec(int i, int nvec) {
   static_assert(N <= 2048 && N % kSampleRun == 0, "sample positions: runs dividing the sample");
@@ -1035,6 +1045,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         hi = max(hi, skey[e]);
       }
     block_min_max<kThreads>(lo, hi, s.base);  // its barrier also orders the cleared histogram before the atomics
+    stage_clock();  // (the probe: the sample's loads and their range)
     int sshift, level = 0, bin, need, count, m_rem = m;
     unsigned sprefix;
     radix_start(lo, hi, sshift, sprefix);
@@ -1052,7 +1063,7 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
       sprefix = (sshift >= 32 ? 0u : (sprefix << (sshift - nshift))) | (unsigned)bin;
       sshift = nshift;
       m_rem = need;
-      if (count == need || sshift == 0) break;
+      if (count == need || sshift == 0 || (kSampleLevels < 2 && count - need <= m / 4)) break;
     }
     stage_clock();  // the sample's threshold (after its levels' barriers)
     unsigned threshold = sprefix << sshift;
@@ -1468,6 +1479,8 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
         }
       }
       block_min_max<T>(lo, hi, s);  // its barrier also orders the cleared histogram before the atomics
+      stage_clock();  // (the probe: the sample's loads and their range)
+      const int m_target = m;
       // Two levels of 11 bits from the highest varying bit: the threshold is the m-th largest sampled key's
       // prefix of those bits (every key at or above it is a candidate).
       int sshift;
@@ -1487,7 +1500,7 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
         sprefix = (sshift >= 32 ? 0u : (sprefix << (sshift - nshift))) | (unsigned)bin;
         sshift = nshift;
         m = need;
-        if (count == need || sshift == 0) break;
+        if (count == need || sshift == 0 || (kSampleLevels < 2 && count - need <= m_target / 4)) break;
       }
       threshold = sprefix << sshift;
       __syncthreads();  // every thread read its sample before the pass overwrites it with candidates
