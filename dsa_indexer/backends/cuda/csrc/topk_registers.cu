@@ -512,6 +512,18 @@ __device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start,
   keys4(raw_load4(x_row, c0, start, end, aligned), c0, start, end, key);
 }
 
+// A variant (1; benchmarks compare it): the selected positions written warp by warp, key slot by key slot (for each
+// of a thread's keys in turn, the warp's lanes that selected it write contiguous positions after a ballot), instead
+// of thread by thread through a shared-memory stage. The order stays fixed (warp, key slot, lane), so the output is
+// as repeatable; the stage's stores, its barrier and the copy go, and the warp's count is one reduction instead of
+// a scan. The stage clocks put the scan and the ordered write at 4.6K of a 1 x 8K row's 15.8K cycles (H100,
+// topk_stage_clocks_s18_h100.json); SGLang's small-row kernel, ~2 us shorter there, writes in atomic arrival order,
+// which no two runs need share.
+#ifndef DSA_TOPK_WARP_ORDERED_WRITE
+#define DSA_TOPK_WARP_ORDERED_WRITE 0
+#endif
+constexpr bool kWarpOrderedWrite = DSA_TOPK_WARP_ORDERED_WRITE;
+
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
 // taking part calls this with the same row. KPT keys per thread: the CTAs hold [start & ~3, + csize * KPT * 512).
@@ -693,11 +705,17 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       selected |= sel ? (1u << e) : 0u;
     }
     const int mine = __popc(selected);
-    int incl = warp_inclusive_sum(mine);
-    if (lane == 31) s.warp_sum[warp] = incl;
+    int incl = mine;  // (kWarpOrderedWrite: the warp's count is all it needs, one reduction)
+    if (kWarpOrderedWrite) {
+      const int warp_total = (int)__reduce_add_sync(0xffffffffu, (unsigned)mine);
+      if (lane == 0) s.warp_sum[warp] = warp_total;
+    } else {
+      incl = warp_inclusive_sum(mine);
+      if (lane == 31) s.warp_sum[warp] = incl;
+    }
     __syncthreads();
     stage_clock();
-    int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected
+    int offset = incl - mine, cta_total = 0;  // offset: among this CTA's selected (kWarpOrderedWrite: the warp's)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const int n = s.warp_sum[w];
@@ -721,14 +739,20 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
     // The positions go through shared memory (both histograms: every reader of them, peers included, is past the
     // barriers above), so the row is written coalesced: scattered 4-byte stores cost ~1 us of a CTA's store
     // issue per 2048 positions (H200).
-    const bool staged = STAGED && p.k <= 2 * kBins;  // uniform
+    const bool staged = !kWarpOrderedWrite && STAGED && p.k <= 2 * kBins;  // uniform
     int* stage = &s.hist[0][0];
     int* dst = staged ? stage : out_row + cta_base;
+    const unsigned lanes_below = (1u << lane) - 1u;
 #pragma unroll
     for (int e = 0; e < KPT; ++e) {
-      if ((e >> 2) >= live) break;
-      if (selected & (1u << e)) {
-        const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+      if ((e >> 2) >= live) break;  // uniform over the block (kWarpOrderedWrite: every lane meets the ballot)
+      const bool sel = (selected >> e) & 1u;
+      const int c = base + (e >> 2) * 4 * kThreads + 4 * t + (e & 3);
+      if (kWarpOrderedWrite) {  // this key slot's selected lanes: contiguous positions, one coalesced store
+        const unsigned mask = __ballot_sync(0xffffffffu, sel);
+        if (sel) dst[offset + __popc(mask & lanes_below)] = out_value(c - start, req, p);
+        offset += __popc(mask);
+      } else if (sel) {
         dst[offset++] = out_value(c - start, req, p);
       }
     }
