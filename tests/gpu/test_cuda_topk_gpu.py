@@ -364,19 +364,18 @@ def test_split_pass_clusters_fit_this_gpu(kernel_ready):
     assert all(c * n <= _sms() for c, n in active.items())
 
 
-@pytest.mark.parametrize("split", [None, 4])
+@pytest.mark.parametrize("split", [False, True])
 def test_padded_graph_replays_other_lengths(kernel_ready, split, monkeypatch):
     """A graph captured at one batch of lengths stays right when replayed with others (the routing is read on
-    the device at every replay), and equals the eager call bitwise; with the streaming kernel's split pass as
-    the plan too (SPLIT_STREAM: 4 CTAs per row at 32 rows)."""
-    if split is not None:
-        monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", True)
-        cuda_topk.plan_for.cache_clear()
-        monkeypatch.setattr(cuda_topk, "plan_for", cuda_topk.plan_for.__wrapped__)
+    the device at every replay), and equals the eager call bitwise; with the streaming kernel's split pass (the
+    default: 4 CTAs per row planned at 32 rows, narrowed at launch to the clusters the GPU runs at once) and
+    without it (SPLIT_STREAM off: one CTA per row)."""
+    monkeypatch.setattr(cuda_topk, "SPLIT_STREAM", split)
+    cuda_topk.plan_for.cache_clear()
+    monkeypatch.setattr(cuda_topk, "plan_for", cuda_topk.plan_for.__wrapped__)
     rows, width = 32, 163840
     logits, ends = _padded([8192] * rows, width, seed=11)
-    if split is not None:
-        assert cuda_topk.plan_for(rows, width, _sms(), 4) == cuda_topk.Plan("stream", split, 0)
+    assert cuda_topk.plan_for(rows, width, _sms(), 4) == cuda_topk.Plan("stream", 4 if split else 1, 0)
     out = cuda_topk.topk_indices(logits, 2048, ends)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
