@@ -523,6 +523,16 @@ __device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start,
 #define DSA_TOPK_WARP_ORDERED_WRITE 0
 #endif
 constexpr bool kWarpOrderedWrite = DSA_TOPK_WARP_ORDERED_WRITE;
+// A variant (1; benchmarks compare it): the first radix level's histogram from warp-aggregated atomics. Level 0
+// bins a key by its top 11 bits (sign, exponent, two mantissa bits), and a row's logits span few exponents, so a
+// warp's 32 keys of one slot fall in a handful of bins and its shared-memory atomics replay once per lane sharing an
+// address. Here the lanes holding one bin find each other (__match_any_sync) and the lowest adds their count: one
+// conflict-free atomic per bin per warp. Later levels, spread over 2048 bins, keep the plain atomics. The stage
+// clocks put level 0 at 4.1K of a 1 x 8K row's 15.8K cycles, level 1 at 2.5K (H100, topk_stage_clocks_s18_h100).
+#ifndef DSA_TOPK_LEVEL0_MATCH
+#define DSA_TOPK_LEVEL0_MATCH 0
+#endif
+constexpr bool kLevel0Match = DSA_TOPK_LEVEL0_MATCH;
 
 // One row's select with the row held in registers by `csize` CTAs of `cluster` (this CTA is `rank`; csize 1: this
 // CTA alone, block barriers only, its peers untouched). The caller has handled windows of <= k columns; every CTA
@@ -635,10 +645,16 @@ __device__ __forceinline__ void registers_select_row(const Params& p, const floa
       int* h = s.hist[level & 1];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) {
-        if ((e >> 2) >= live) break;
+        if ((e >> 2) >= live) break;  // uniform over the block (kLevel0Match: every lane meets the match)
         const unsigned kk = key[e];
-        const bool in_class = kk != 0u && (shift >= 32 || (kk >> shift) == prefix);
-        if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+        if (kLevel0Match && shift >= 32) {  // (uniform) level 0: one atomic per bin per warp
+          const unsigned b = (kk >> nshift) & digit_mask;
+          const unsigned peers = __match_any_sync(0xffffffffu, kk != 0u ? b : 0xffffffffu);  // padding: apart
+          if (kk != 0u && lane == __ffs(peers) - 1) atomicAdd(&h[b], __popc(peers));
+        } else {
+          const bool in_class = kk != 0u && (shift >= 32 || (kk >> shift) == prefix);
+          if (in_class) atomicAdd(&h[(kk >> nshift) & digit_mask], 1);
+        }
       }
       int bin, need, count;
       find_bin(h, s.hist[(level + 1) & 1], k_rem, s, cluster, csize, used, bin, need, count);
