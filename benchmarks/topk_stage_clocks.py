@@ -10,9 +10,9 @@ stamps are entry, the sample's loads and range, its threshold, the pass, each ra
 bitmap's ordered write; "KPT -2": a row of the prefill kernel (CTAs looping over rows, e.g. 1024 rows: --cells
 1024x32768x32768x2048), whose stamps are entry, the sample's loads and range (sampled rows only), the threshold, the
 candidate pass, each radix level, the ordered write, of the first CTA's first row). Session 18's stage clocks
-(`*_s18_h100.json`) predate the loads' own stamp: their first stage after entry is loads and levels together. Each cell runs three times eagerly after a 256 MiB L2 flush, on real
-V3.2 decode logits (the engines benchmark's `real_logits`). Needs a CUDA GPU; results are right (the probe only reads
-the clock).
+(`*_s18_h100.json`) predate the loads' own stamp: their first stage after entry is loads and levels together. Each
+cell runs three times eagerly after a 256 MiB L2 flush, on real V3.2 decode logits (the engines benchmark's
+`real_logits`). Needs a CUDA GPU; results are right (the probe only reads the clock).
 """
 
 from __future__ import annotations
