@@ -205,10 +205,10 @@ class Compressor(nn.Module):
         if isinstance(kv_cache, IndexKCache):
             plan.run("c4_store", "k_prologue_store_plain", pooled, self.norm.weight, None, cfg.norm_eps,
                      entry_positions, cos_sin, kv_cache.data, kv_cache.scales_or_empty(), step.entry_slots[rows],
-                     cfg.rope_offset, cfg.rope_interleaved, "rmsnorm", kv_cache.key_format)
+                     plan.rope_offset, cfg.rope_interleaved, "rmsnorm", kv_cache.key_format)
             return
         plan.run("c4_store", "k_prologue_store", pooled, self.norm.weight, None, cfg.norm_eps, entry_positions,
-                 cos_sin, kv_cache, step.entry_slots[rows], cfg.rope_offset, cfg.rope_interleaved, cfg.ue8m0,
+                 cos_sin, kv_cache, step.entry_slots[rows], plan.rope_offset, cfg.rope_interleaved, cfg.ue8m0,
                  plan.fp8_dtype, "rmsnorm")
 
     def _store_fp4(self, plan, pooled: torch.Tensor, entry_positions: torch.Tensor, slots: torch.Tensor, kv_cache,
@@ -232,7 +232,7 @@ class Compressor(nn.Module):
                 raise IndexerInputError(f"the paged64_fp4_e2m1 cache holds one scale per {FP4_BLOCK} values; "
                                         f"IndexerConfig.fp4_block is {cfg.fp4_block}: use fp4_block={FP4_BLOCK} or "
                                         "the fp8 cache (paged64_fp8_e4m3)")
-            values, scales = fp4.key_fp4(normed, entry_positions, cos_sin, cfg.rope_offset, cfg.rope_interleaved,
+            values, scales = fp4.key_fp4(normed, entry_positions, cos_sin, plan.rope_offset, cfg.rope_interleaved,
                                          cfg.fp4_block)
             store_fp4_rows(kv_cache, slots, values, scales)
             return
@@ -241,5 +241,5 @@ class Compressor(nn.Module):
         # scales (1 * 1.0 * row_scale, exact).
         unit = torch.ones(normed.shape[0], 1, dtype=torch.float32, device=normed.device)
         keys, scales = plan.run("c4_fp4_keys", "q_prologue_fp4", normed[:, None, :], entry_positions, cos_sin, unit,
-                                1.0, cfg.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
+                                1.0, plan.rope_offset, cfg.rope_interleaved, cfg.fp4_block, plan.fp8_dtype)
         store_rows(kv_cache, slots, keys[:, 0], scales[:, 0])
