@@ -524,11 +524,13 @@ __device__ __forceinline__ void load_vec4(const float* x_row, int c0, int start,
 #endif
 constexpr bool kWarpOrderedWrite = DSA_TOPK_WARP_ORDERED_WRITE;
 // A variant (1; benchmarks compare it): the first radix level's histogram from warp-aggregated atomics. Level 0
-// bins a key by its top 11 bits (sign, exponent, two mantissa bits), and a row's logits span few exponents, so a
-// warp's 32 keys of one slot fall in a handful of bins and its shared-memory atomics replay once per lane sharing an
-// address. Here the lanes holding one bin find each other (__match_any_sync) and the lowest adds their count: one
-// conflict-free atomic per bin per warp. Later levels, spread over 2048 bins, keep the plain atomics. The stage
-// clocks put level 0 at 4.1K of a 1 x 8K row's 15.8K cycles, level 1 at 2.5K (H100, topk_stage_clocks_s18_h100).
+// bins a key by its top 11 bits (sign, exponent, two mantissa bits): on real V3.2 decode logits an 8K row fills ~100
+// of those bins, the fullest with ~440 keys (see the exponent window below), so lanes of a warp share an address
+// now and then and its shared-memory atomic replays for each. Here the lanes holding one bin find each other
+// (__match_any_sync) and the lowest adds their count: one conflict-free atomic per bin per warp, at the cost of a
+// match per key slot. Later levels keep the plain atomics. The stage clocks put level 0 at 4.1K of a 1 x 8K row's
+// 15.8K cycles, level 1 (the same atomics, spread thinner) at 2.5K (H100, topk_stage_clocks_s18_h100.json): whether
+// the difference is the replays is what timing this tells.
 #ifndef DSA_TOPK_LEVEL0_MATCH
 #define DSA_TOPK_LEVEL0_MATCH 0
 #endif
