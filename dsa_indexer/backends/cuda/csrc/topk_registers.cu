@@ -926,6 +926,16 @@ constexpr int kSampleRun = DSA_TOPK_SAMPLE_RUN;
 #define DSA_TOPK_SAMPLE_LEVELS 2
 #endif
 constexpr int kSampleLevels = DSA_TOPK_SAMPLE_LEVELS;
+// A variant (D > 0; benchmarks compare it): the streaming pass keeps D batches beyond the one in flight on their way
+// into L2 (one prefetch per thread per batch of kStreamUnroll float4s, 64 KB a batch), and the first D + 1 batches
+// of this CTA's share are prefetched while the sample's levels run. The shipped pass has one batch of loads in flight
+// while it examines the last, and none during the sample's levels: at 128 x 128K (one CTA per SM) the pass reads
+// ~2.3 TB/s, at V4 128 x 32K the sample's levels and the pass take 21.8K cycles where the row's bytes need ~9.4K
+// at 3 TB/s (H100, topk_stage_clocks_sample_runs_s18_h100.json).
+#ifndef DSA_TOPK_PASS_PREFETCH
+#define DSA_TOPK_PASS_PREFETCH 0
+#endif
+constexpr int kPassPrefetch = DSA_TOPK_PASS_PREFETCH;
 template <int N>
 __device__ __forceinline__ int sample_vec(int i, int nvec) {
   static_assert(N <= 2048 && N % kSampleRun == 0, "sample positions: runs dividing the sample");
@@ -1065,6 +1075,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
         c0[j] = base + 4 * sample_vec<kStreamSampleVecs * kThreads>(j * kThreads + t, nvec);
         q[j] = raw_load4(x_row, c0[j], start, end, p.aligned);
       }
+      if (kPassPrefetch > 0)  // this CTA's first batches into L2 behind the sample's loads, during its levels
+        prefetch_row_l2(x_row, base + 4 * it_lo * kThreads,
+                        min(end, base + 4 * min(it_hi, it_lo + (kPassPrefetch + 1) * kStreamUnroll) * kThreads));
 #pragma unroll
       for (int j = 0; j < kStreamSampleVecs; ++j) {
         unsigned key[4];
@@ -1148,6 +1161,11 @@ __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
 #pragma unroll
       for (int u = 0; u < kStreamUnroll; ++u) q[u] = q_next[u];
       if (it0 + kStreamUnroll < it_hi) load_batch(it0 + kStreamUnroll, q_next);
+      if (kPassPrefetch > 0 && it0 + (kPassPrefetch + 1) * kStreamUnroll < it_hi) {  // D batches beyond the next
+        const int ahead = it0 + (kPassPrefetch + 1) * kStreamUnroll;
+        prefetch_row_l2(x_row, base + 4 * ahead * kThreads,
+                        min(end, base + 4 * min(it_hi, ahead + kStreamUnroll) * kThreads));
+      }
       const bool inside = batch_inside(it0);
       // take[u] bit i: column base + 4 * ((it0 + u) * kThreads + t) + i is a candidate
       unsigned take = 0u;
