@@ -483,8 +483,9 @@ __device__ __forceinline__ void block_find_bin(int* h, int* next, int k_rem, S& 
 // read: otherwise the kernel's first global read (ends) and its first loads of the row are two DRAM round trips
 // in a row (~2 us each after the L2 is flushed). Prefetches fill no register and cannot change a result; they
 // stay inside the logits' width (columns past a row's end may be fetched, they are never used).
+template <int T = kThreads>  // the block's threads (the prefill kernel's CTAs are smaller)
 __device__ __forceinline__ void prefetch_row_l2(const float* x_row, int c_lo, int c_hi) {
-  for (int c = c_lo + (int)threadIdx.x * 32; c < c_hi; c += kThreads * 32)
+  for (int c = c_lo + (int)threadIdx.x * 32; c < c_hi; c += T * 32)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(x_row + c));
 }
 
@@ -1432,8 +1433,14 @@ __device__ __forceinline__ int prefill_pass(const float* x_row, int base, int nv
   const int v_lo = start > base ? 1 : 0;  // the float4s wholly inside the window: [v_lo, v_hi)
   const int v_hi = (end - base) >> 2;
   int taken = 0;
+  if (kPassPrefetch > 0)  // (DSA_TOPK_PASS_PREFETCH) the first steps into L2 ahead of their loads
+    prefetch_row_l2<T>(x_row, base, min(end, base + 4 * min(nvec, (kPassPrefetch + 1) * T * U)));
   for (int step = 0; step < steps; ++step) {
     const int v0 = step * T * U;
+    if (kPassPrefetch > 0 && step + kPassPrefetch + 1 < steps) {  // D steps beyond the next on their way to L2
+      const int ahead = v0 + (kPassPrefetch + 1) * T * U;
+      prefetch_row_l2<T>(x_row, base + 4 * ahead, min(end, base + 4 * min(nvec, ahead + T * U)));
+    }
     float4 q[U];
     if (aligned && v0 >= v_lo && v0 + T * U <= v_hi) {  // uniform
 #pragma unroll
@@ -1524,6 +1531,10 @@ __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
 #pragma unroll
         for (int j = 0; j < kVecs; ++j)
           q[j] = raw_load4(x_row, base + 4 * sample_vec<kVecs * T>(j * T + t, nvec), start, end, p.aligned);
+        if (kPassPrefetch > 0) {  // the pass's first steps into L2 behind the sample's loads, during its levels
+          constexpr int kStep = T * prefill_unroll<T>();  // float4s of a pass step
+          prefetch_row_l2<T>(x_row, base, min(end, base + 4 * min(nvec, (kPassPrefetch + 1) * kStep)));
+        }
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           unsigned key[4];
