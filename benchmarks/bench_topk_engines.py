@@ -30,7 +30,6 @@ Writes DIR/topk_engines.json with the command, versions, every cell and, per cel
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import sys
@@ -165,11 +164,11 @@ def other_plans(cuda_topk, logits, ends, k, width, sms):
         impls[f"cuda.radix routed x{routed.cluster} keys{routed.per_cta}"] = forced(routed)
     if (planned is None or planned.kernel != "stream") and width <= cuda_topk.STREAM_MAX_COLS:
         impls["cuda.radix stream"] = forced(cuda_topk.Plan("stream", 1, 0))
-    def runs_as(plan):  # a split pass's clusters narrow on a GPU to what it runs in one wave (fit_split_cluster)
-        if plan is None or plan.kernel != "stream" or plan.cluster == 1 or not logits.is_cuda:
+
+    def runs_as(plan):  # the plan as run_plan launches it on this GPU (a split pass narrowed to one wave)
+        if not logits.is_cuda:
             return plan
-        active = functools.partial(cuda_topk.stream_active_clusters, logits.device)
-        return plan._replace(cluster=cuda_topk.fit_split_cluster(rows, plan.cluster, active))
+        return cuda_topk.launched_plan(plan, rows, torch.cuda.get_device_capability(logits.device))
 
     if cuda_topk.SHORT_ROWS_MAX_COLS < width <= cuda_topk.STREAM_MAX_COLS:  # the split pass, within one wave
         for cluster in cuda_topk.STREAM_CLUSTERS[1:]:

@@ -298,6 +298,15 @@ def stream_active_clusters(device: torch.device, cluster: int) -> int:
     return _stream_active_clusters(_device_facts(index)[2], cluster)
 
 
+def launched_plan(plan: Plan | None, rows: int, capability: tuple[int, int]) -> Plan | None:
+    """``plan`` as `run_plan` launches it for ``rows`` rows on a GPU of ``capability``: a split pass's clusters
+    narrowed to what the GPU runs in one wave (`fit_split_cluster`; one CTA per row needs no query)."""
+    if plan is None or plan.kernel != "stream" or plan.cluster == 1:
+        return plan
+    active = functools.partial(_stream_active_clusters, capability)
+    return plan._replace(cluster=fit_split_cluster(min(rows, MAX_GRID_ROWS), plan.cluster, active))
+
+
 def fit_split_cluster(rows: int, cluster: int, active_clusters) -> int:
     """The split pass's CTAs per row for ``rows`` rows: ``cluster`` halved while the rows' clusters would not all
     run at once (``active_clusters(c)``: clusters of c CTAs the GPU co-schedules), since a second wave of clusters
@@ -372,9 +381,7 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         lib = _registers_library(capability)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
-        # narrowed to clusters this GPU runs in one wave (exact either way); one CTA needs no query
-        cluster = fit_split_cluster(min(rows, MAX_GRID_ROWS), launch.cluster,
-                                    lambda c: _stream_active_clusters(capability, c))
+        cluster = launched_plan(launch, rows, capability).cluster  # narrowed to one wave (exact either way)
         err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
