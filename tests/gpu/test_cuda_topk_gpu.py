@@ -356,7 +356,7 @@ def test_clusters_looping_over_rows_of_different_groups(kernel_ready):
 def test_split_pass_clusters_fit_this_gpu(kernel_ready):
     """The split pass's clusters this GPU runs at once, one CTA per SM with the streaming kernel's shared memory:
     at least one cluster of 8 (the GPU tests force 8 CTAs per row on up to 5 rows), never more CTAs than SMs, fewer
-    clusters as they grow, and a launch narrows its clusters to them (`fit_split_cluster`)."""
+    clusters as they grow (what `launched_plan` narrows a split plan to)."""
     device = torch.device(DEVICE)
     active = {c: cuda_topk.stream_active_clusters(device, c) for c in (2, 4, 8)}
     print("split-pass clusters at once:", active)
