@@ -6,7 +6,7 @@ For each model (V3.2, V4's C4 indexer) and target: one indexer on the CPU (tiny 
 decode batch whose contexts are longer than the top-k (so the step runs its paged logits and its top-k, not the
 "every key is visible" shortcut), one decode step to warm every cache, then a second step traced with
 `sys.setprofile`: the distinct `dsa_indexer` files whose functions it entered, the Python calls it made into the
-package, the calls into `Registry.resolve` / `Registry.choose` (each a full resolution) and into `Registry.call` /
+package (per file and per function), the calls into `Registry.resolve` / `Registry.choose` (each a full resolution) and into `Registry.call` /
 `Registry.function` (a registry dispatch: a lookup per call). The goal of issue 36: no registry call in a warm step,
 each model within ~9 files.
 """
@@ -59,6 +59,7 @@ def trace_decode(model: str, target: str | None, device: str = "cpu") -> dict:
     indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state)  # warm: resolutions, caches, factories
     files: collections.Counter[str] = collections.Counter()
     registry_calls: collections.Counter[str] = collections.Counter()
+    functions: collections.Counter[str] = collections.Counter()
 
     def profile(frame, event, arg):
         if event != "call":
@@ -67,6 +68,7 @@ def trace_decode(model: str, target: str | None, device: str = "cpu") -> dict:
         if PACKAGE in path.parents:
             rel = str(path.relative_to(PACKAGE.parent))
             files[rel] += 1
+            functions[f"{rel}:{frame.f_code.co_name}"] += 1
             if rel.endswith("dispatch/registry.py") and frame.f_code.co_name in REGISTRY_CALLS:
                 registry_calls[frame.f_code.co_name] += 1
 
@@ -77,7 +79,8 @@ def trace_decode(model: str, target: str | None, device: str = "cpu") -> dict:
         sys.setprofile(None)
     return {"model": model, "target": target or str(indexer.target), "device": device, "context_keys": keys,
             "topk": cfg.topk, "files": len(files), "python_calls": sum(files.values()),
-            "file_calls": dict(sorted(files.items())), "registry_calls": dict(registry_calls)}
+            "file_calls": dict(sorted(files.items())), "registry_calls": dict(registry_calls),
+            "function_calls": dict(sorted(functions.items()))}
 
 
 def main() -> None:

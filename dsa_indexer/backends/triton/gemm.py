@@ -89,6 +89,9 @@ _CONFIGS = (
 )
 
 
+_GEMM_INTERPRETED = interpreted(_gemm_fp8_blockscale_kernel)
+
+
 def _config(m: int) -> tuple[int, int, int, int]:
     for max_m, bm, bn, warps, stages in _CONFIGS:
         if max_m is None or m <= max_m:
@@ -118,6 +121,6 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
                                       a.stride(0), a_scales.stride(0), b.stride(0), b_scales.stride(0), out.stride(0),
                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=SCALE_BLOCK, GROUP_M=8,
                                       EVEN_K=kdim % SCALE_BLOCK == 0,
-                                      INTERPRET=interpreted(_gemm_fp8_blockscale_kernel), num_warps=warps,
+                                      INTERPRET=_GEMM_INTERPRETED, num_warps=warps,
                                       num_stages=stages)
     return out

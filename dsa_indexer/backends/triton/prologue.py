@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_BYTES, PAGE_SIZE, page_views
-from .quant import (abs_max, fp8_group_scale, fp8_max, fp8_min_exp, interpreted, nan_maximum, quantize_groups,
-                    round_to_dtype_grid, round_to_fp8_grid)
+from .quant import (FP8_CONSTEXPRS, abs_max, fp8_constexprs, fp8_group_scale, interpreted, nan_maximum,
+                    quantize_groups, round_to_dtype_grid, round_to_fp8_grid)
 
 HEAD_DIM = 128
 _NORMS = {"none": 0, "layernorm": 1, "rmsnorm": 2}
@@ -301,6 +301,9 @@ def _q_prologue_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_r
     tl.store(w_out_ptr + rows, (hw * weight_scale) * scale, mask=rmask)
 
 
+_Q_PROLOGUE_INTERPRETED = interpreted(_q_prologue_kernel)
+
+
 def _rows_config(n_rows: int) -> tuple[int, int]:
     """(rows per program, num_warps). 64 rows (one token's heads at H=64) make each 64x32x32 dot one Hopper
     warpgroup MMA; smaller batches take fewer rows per program so that more programs run."""
@@ -336,8 +339,8 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
                              weights, n_rows, h, cos_sin.stride(0), head_weights.stride(0), float(weight_scale),
                              ROPE_MODE=_rope_mode(rope_offset, rope_dim, interleaved), ROPE_OFF=int(rope_offset),
                              ROPE_DIM=rope_dim, INTERLEAVED=bool(interleaved), UE8M0=bool(ue8m0),
-                             FMAX=fp8_max(fp8_dtype), MIN_EXP=fp8_min_exp(fp8_dtype), D=d, BLOCK_M=block_m,
-                             INTERPRET=interpreted(_q_prologue_kernel), num_warps=warps)
+                             **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), D=d, BLOCK_M=block_m,
+                             INTERPRET=_Q_PROLOGUE_INTERPRETED, num_warps=warps)
     return q_fp8, weights
 
 
@@ -391,6 +394,9 @@ def _k_prologue_store_kernel(k_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, key
     tl.store(scales_ptr + page * PAGE_SCALE_STRIDE + prow, scale, mask=keep)
 
 
+_K_PROLOGUE_STORE_INTERPRETED = interpreted(_k_prologue_store_kernel)
+
+
 def _k_config(n_rows: int) -> tuple[int, int]:
     """k has one row per token (256 bytes of bf16): small tiles keep enough programs in flight."""
     if n_rows >= 32 * 1024:
@@ -425,9 +431,9 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
                                    t, k.stride(0), cos_sin.stride(0), float(eps), NORM=norm_id,
                                    ROPE_MODE=_rope_mode(rope_offset, rope_dim, interleaved),
                                    ROPE_OFF=int(rope_offset), ROPE_DIM=rope_dim, INTERLEAVED=bool(interleaved),
-                                   UE8M0=bool(ue8m0), FMAX=fp8_max(fp8_dtype), MIN_EXP=fp8_min_exp(fp8_dtype),
+                                   UE8M0=bool(ue8m0), **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)),
                                    PAGE=PAGE_SIZE, PAGE_KEY_STRIDE=PAGE_BYTES, PAGE_SCALE_STRIDE=PAGE_BYTES // 4,
-                                   D=d, BLOCK_M=block_m, INTERPRET=interpreted(_k_prologue_store_kernel),
+                                   D=d, BLOCK_M=block_m, INTERPRET=_K_PROLOGUE_STORE_INTERPRETED,
                                    num_warps=warps)
 
 
@@ -546,6 +552,9 @@ def _q_prologue_fp4_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr,
     tl.store(w_out_ptr + rows, (hw * weight_scale) * row_scale, mask=rmask)
 
 
+_Q_PROLOGUE_FP4_INTERPRETED = interpreted(_q_prologue_fp4_kernel)
+
+
 @functools.lru_cache(maxsize=8)
 def _fp32_inverse_sqrt(d: int) -> float:
     """fp32(d^-0.5) as a Python float (exactly representable, so the kernel's fp32 argument is that value)."""
@@ -584,9 +593,9 @@ def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch
                                  n_rows, h, cos_sin.stride(0), head_weights.stride(0), float(weight_scale),
                                  hadamard_scale, ROPE_OFF=int(rope_offset), ROPE_DIM=cos_sin.shape[1],
                                  INTERLEAVED=bool(interleaved), D=d, LOG_D=d.bit_length() - 1, BLOCK=int(block),
-                                 FOLD_SHIFT=_FOLD_SHIFT[q_fp8.dtype], MIN_EXP=fp8_min_exp(q_fp8.dtype),
+                                 FOLD_SHIFT=_FOLD_SHIFT[q_fp8.dtype], MIN_EXP=FP8_CONSTEXPRS[q_fp8.dtype]["MIN_EXP"],
                                  AMAX_FLOOR=FP4_AMAX_FLOOR, INV_MAX=FP4_INV_MAX, BLOCK_M=block_m,
-                                 INTERPRET=interpreted(_q_prologue_fp4_kernel), num_warps=warps,
+                                 INTERPRET=_Q_PROLOGUE_FP4_INTERPRETED, num_warps=warps,
                                  enable_fp_fusion=False)
 
 

@@ -48,6 +48,17 @@ def fp8_min_exp(fp8_dtype: torch.dtype) -> int:
     return _FP8_MIN_EXP[fp8_dtype]
 
 
+# Each fp8 format's launch constants, made once: a launcher reads them with one dict lookup (`fp8_constexprs`), so a
+# warm decode step makes no Python call into this module for them.
+FP8_CONSTEXPRS = {dtype: {"FMAX": fp8_max(dtype), "MIN_EXP": exp} for dtype, exp in _FP8_MIN_EXP.items()}
+
+
+def fp8_constexprs(fp8_dtype: torch.dtype) -> dict:
+    """``FMAX`` and ``MIN_EXP`` of ``fp8_dtype`` (a TypeError naming it for any other dtype); hot launchers inline
+    the lookup as ``FP8_CONSTEXPRS.get(dtype) or fp8_constexprs(dtype)``."""
+    return {"FMAX": fp8_max(fp8_dtype), "MIN_EXP": fp8_min_exp(fp8_dtype)}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Shared device helpers
 @triton.jit
@@ -164,6 +175,9 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups,
     tl.store(s_ptr + groups, scale, mask=gmask)
 
 
+_QUANT_GROUPS_INTERPRETED = interpreted(_quant_groups_kernel)
+
+
 def _quant_config(group_p2: int) -> tuple[int, int]:
     """(groups per program, num_warps): ~4K elements per program, 16-byte vector loads per thread."""
     block_g = max(1, 4096 // group_p2)
@@ -184,8 +198,8 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
     block_g, warps = _quant_config(group_p2)
     grid = (triton.cdiv(n_groups, block_g),)
     _quant_groups_kernel[grid](xc, q, scales, n_groups, GROUP=group_size, GROUP_P2=group_p2, BLOCK_G=block_g,
-                               FMAX=fp8_max(fp8_dtype), MIN_EXP=fp8_min_exp(fp8_dtype), UE8M0=bool(ue8m0),
-                               INTERPRET=interpreted(_quant_groups_kernel), num_warps=warps)
+                               **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), UE8M0=bool(ue8m0),
+                               INTERPRET=_QUANT_GROUPS_INTERPRETED, num_warps=warps)
     return q, scales
 
 
@@ -227,6 +241,9 @@ def _rmsnorm_quant_kernel(x_ptr, w_ptr, normed_ptr, q_ptr, s_ptr, n_rows, width,
     tl.store(s_ptr + s_offs, scale, mask=rmask[:, None] & (g[None, :] < n_groups))
 
 
+_RMSNORM_QUANT_INTERPRETED = interpreted(_rmsnorm_quant_kernel)
+
+
 def _rmsnorm_config(tile: int) -> tuple[int, int]:
     """(rows per program, num_warps) for a padded row of ``tile`` elements: >= 4K elements per program and
     <= 32 fp32 elements per thread (the row, the weight and the normed copy stay in registers)."""
@@ -258,6 +275,6 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group_s
     grid = (triton.cdiv(n_rows, block_r),)
     _rmsnorm_quant_kernel[grid](xc, weight.contiguous(), normed, q, scales, n_rows, width, n_groups, float(eps),
                                 GROUP=group_size, GROUP_P2=group_p2, GROUPS_P2=groups_p2, BLOCK_R=block_r,
-                                FMAX=fp8_max(fp8_dtype), MIN_EXP=fp8_min_exp(fp8_dtype), UE8M0=bool(ue8m0),
-                                INTERPRET=interpreted(_rmsnorm_quant_kernel), num_warps=warps)
+                                **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), UE8M0=bool(ue8m0),
+                                INTERPRET=_RMSNORM_QUANT_INTERPRETED, num_warps=warps)
     return normed, q, scales

@@ -126,6 +126,10 @@ def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, st
 _SM_COUNT: dict[int, int] = {}
 
 
+_PARTIAL_INTERPRETED = interpreted(_x_projections_partial_kernel)
+_REDUCE_INTERPRETED = interpreted(_x_projections_reduce_kernel)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 24  # the interpreter: a few K splits on small shapes, so CPU tests exercise the split path
@@ -182,9 +186,9 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
         x, weights_proj, wk, partials, rows, hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0),
         CHUNK=chunk, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         WP_FP32=wp_fp32, num_warps=4,
-        WIDEN=x.dtype != torch.bfloat16 or interpreted(_x_projections_partial_kernel), num_stages=3)
+        WIDEN=x.dtype != torch.bfloat16 or _PARTIAL_INTERPRETED, num_stages=3)
     _x_projections_reduce_kernel[(n_tiles, m_tiles)](
         partials, head_weights, k, rows, heads, dim, head_weights.stride(0), k.stride(0), splits,
         HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        INTERPRET=interpreted(_x_projections_reduce_kernel), num_warps=4)
+        INTERPRET=_REDUCE_INTERPRETED, num_warps=4)
     return head_weights, k
