@@ -125,6 +125,7 @@ VARIABLES: Mapping[str, Callable[[str, str], object]] = {
     "DSA_INDEXER_DUAL_STREAM": lambda name, raw: parse_flag(name, raw, default=True),
     "DSA_INDEXER_DUAL_STREAM_MAX_TOKENS": parse_count,
     "DSA_INDEXER_DUAL_STREAM_GEMM_SMS": parse_sm_limit,
+    "DSA_INDEXER_PDL": parse_flag,
     "DSA_INDEXER_FORCE": parse_assignments,
     "DSA_INDEXER_TARGET": _any_text,
     "DSA_INDEXER_PLUGINS": _any_text,

@@ -16,10 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_predecessor
+
 
 @triton.jit
 def _c4_pool_kernel(proj_ptr, state_ptr, ape_ptr, pos_ptr, req_ptr, slot_ptr, rows_ptr, out_ptr, n_rows, scratch,
-                    D: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr):
+                    D: tl.constexpr, WINDOW: tl.constexpr, RATIO: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     W: tl.constexpr = 4 * D  # [kv part A | kv part B | score part A | score part B]
     e = tl.program_id(0).to(tl.int64)
     r = tl.load(rows_ptr + e).to(tl.int64)
@@ -55,7 +59,9 @@ def _c4_pool_kernel(proj_ptr, state_ptr, ape_ptr, pos_ptr, req_ptr, slot_ptr, ro
 
 @triton.jit
 def _c4_state_roll_kernel(proj_ptr, state_ptr, pos_ptr, req_ptr, slot_ptr, n_rows, scratch,
-                          W: tl.constexpr, WINDOW: tl.constexpr):
+                          W: tl.constexpr, WINDOW: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     r = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + r).to(tl.int64)
     req = tl.load(req_ptr + r)
@@ -80,7 +86,8 @@ def c4_compress_pool(proj: torch.Tensor, state: torch.Tensor, ape: torch.Tensor,
     positions, row_request, state_slot = positions.contiguous(), row_request.contiguous(), state_slot.contiguous()
     if rows.shape[0]:
         _c4_pool_kernel[(rows.shape[0],)](proj, state, ape, positions, row_request, state_slot, rows.contiguous(),
-                                          out, t, scratch, D=d, WINDOW=window, RATIO=ape.shape[0], num_warps=4)
+                                          out, t, scratch, D=d, WINDOW=window, RATIO=ape.shape[0], num_warps=4,
+                                          **pdl_options(proj.device))
     _c4_state_roll_kernel[(t,)](proj, state, positions, row_request, state_slot, t, scratch, W=width,
-                                WINDOW=window, num_warps=4)
+                                WINDOW=window, num_warps=4, **pdl_options(proj.device))
     return out

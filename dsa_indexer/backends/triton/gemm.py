@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_predecessor
 from .quant import interpreted, round_to_dtype_grid
 
 SCALE_BLOCK = 128
@@ -29,7 +30,9 @@ SCALE_BLOCK = 128
 def _gemm_fp8_blockscale_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
                                 stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr):
+                                GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     # Grouped ordering: GROUP_M consecutive programs walk down M for the same band of N columns, so that the
     # b tile they share is read from L2 rather than HBM.
     pid = tl.program_id(0)
@@ -122,5 +125,5 @@ def gemm_fp8_blockscale(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=SCALE_BLOCK, GROUP_M=8,
                                       EVEN_K=kdim % SCALE_BLOCK == 0,
                                       INTERPRET=_GEMM_INTERPRETED, num_warps=warps,
-                                      num_stages=stages)
+                                      num_stages=stages, **pdl_options(a.device))
     return out

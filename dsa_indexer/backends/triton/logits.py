@@ -23,6 +23,7 @@ import triton.language as tl
 
 from ...contract.cache import BYTES_PER_TOKEN, FP4_BLOCK, HEAD_DIM, PAGE_BYTES, PAGE_SIZE
 from .fp4_codes import fp4_key_scores, q_block_t
+from .pdl import pdl_options, wait_for_predecessor
 
 # Query rows x heads per MMA tile of the ragged kernel (its N side): 128 = 2 rows of 64 heads.
 _RAGGED_TILE_COLS = 128
@@ -126,7 +127,8 @@ def ragged_fp4_key_logits(k_ptr, k_scale_ptr, q_t0, q_t1, q_t2, q_t3, w, n0, N, 
 def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
                           S, N, split_len,
                           H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
+                          FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """One program: BLOCK_M query rows x the keys [split * split_len, +split_len) (one split of N).
 
     q [S, H, D], k [N, D], w [S, H], out [S, N], all contiguous. The q tile of the rows stays on chip while the
@@ -134,6 +136,7 @@ def _ragged_logits_kernel(q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_
     only filled with -inf (no loads, no MMA): a causal prefill skips about half of the work that way. ``FP4``: the
     keys are FP4 rows as stored (`ragged_fp4_key_logits`), else fp8 rows with fp32 row scales.
     """
+    wait_for_predecessor(PDL)
     # A 1-D grid (no 65535 limit on row blocks), splits fastest, heaviest rows first: in a causal prefill
     # later rows see more keys, and programs launch roughly in pid order.
     splits = tl.cdiv(N, split_len)
@@ -233,7 +236,7 @@ def launch_ragged_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tenso
         q.contiguous(), k.contiguous(), k_scales.contiguous(), weights.contiguous().float(),
         ks.contiguous(), ke.contiguous(), out, s, n, cfg["split_len"],
         H=heads, D=dim, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], FP4=fp4, FP4_BLOCK=FP4_BLOCK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
     return out
 
 
@@ -245,13 +248,15 @@ def launch_ragged_logits(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tenso
 def _paged_logits_kernel(q_ptr, kv_ptr, kv_scale_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr,
                          max_ctx, chunk, bt_stride,
                          NEXT_N: tl.constexpr, NN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                         PAGE: tl.constexpr, PAGE_WORDS: tl.constexpr, TILE: tl.constexpr):
+                         PAGE: tl.constexpr, PAGE_WORDS: tl.constexpr, TILE: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One program: request b, context positions [c * chunk, +chunk), all next_n rows and all heads.
 
     q [B, NEXT_N, H, D]; the request's q ([NEXT_N * H, D], padded to NN rows) is loaded once and every
     64-token page (8 KB of keys + 256 B of scales) is read once for all its rows and heads. ``kv_ptr`` and
     ``kv_scale_ptr`` are fp8 and fp32 views of the same cache bytes; a page is PAGE_WORDS fp32 words.
     """
+    wait_for_predecessor(PDL)
     b = tl.program_id(0)
     start = tl.program_id(1) * chunk
     stop = tl.minimum(start + chunk, max_ctx)
@@ -334,7 +339,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
         q.contiguous(), kv_fp8, kv_f32, weights.contiguous().float(), context_lens.contiguous(), block_table, out,
         max_context_len, cfg["chunk"], block_table.stride(0),
         NEXT_N=next_n, NN=next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_WORDS=PAGE_BYTES // 4,
-        TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
     return out
 
 

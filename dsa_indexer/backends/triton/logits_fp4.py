@@ -24,15 +24,18 @@ from ...contract.cache import (FP4_BLOCK, FP4_BYTES_PER_TOKEN, FP4_PAGE_BYTES, F
                                SCALE_BYTES)
 from .fp4_codes import fp4_key_scores, q_block_t
 from .logits import next_pow2, paged_config, launch_ragged_logits, relu_keeping_nan
+from .pdl import pdl_options, wait_for_predecessor
 
 
 @triton.jit
 def _paged_fp4_logits_kernel(q_ptr, kv_ptr, w_ptr, ctx_ptr, bt_ptr, out_ptr, max_ctx, chunk, bt_stride,
                              NEXT_N: tl.constexpr, NN: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                              PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                             SCALE_BYTES: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+                             SCALE_BYTES: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """One program: request b, context positions [c * chunk, +chunk), all next_n rows and all heads (q [B, NEXT_N,
     H, D] fp8; a page is PAGE_BYTES bytes: PAGE x VALUE_BYTES packed values, then PAGE x SCALE_BYTES scales)."""
+    wait_for_predecessor(PDL)
     b = tl.program_id(0)
     start = tl.program_id(1) * chunk
     stop = tl.minimum(start + chunk, max_ctx)
@@ -101,7 +104,7 @@ def paged_mqa_logits_fp4(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         max_context_len, cfg["chunk"], block_table.stride(0),
         NEXT_N=next_n, NN=next_pow2(next_n), H=heads, D=dim, PAGE=PAGE_SIZE, PAGE_BYTES=FP4_PAGE_BYTES,
         VALUE_BYTES=FP4_VALUE_BYTES, SCALE_BYTES=SCALE_BYTES, BLOCK=FP4_BLOCK,
-        TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        TILE=cfg["tile"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_options(q.device))
     return out
 
 

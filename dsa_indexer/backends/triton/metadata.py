@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_SIZE
+from .pdl import pdl_options, wait_for_predecessor
 
 BLOCK_ROWS = 64  # rows per program: a 128-request step is two programs (their dependent loads overlap)
 
@@ -21,7 +22,9 @@ BLOCK_ROWS = 64  # rows per program: a 128-request step is two programs (their d
 @triton.jit
 def _decode_metadata_kernel(seq_lens_ptr, table_ptr, state_slots_ptr, context_ptr, pos_ptr, slot_ptr, state_ptr,
                             rows, table_stride, table_width, NEXT_N: tl.constexpr, RATIO: tl.constexpr,
-                            PAGE: tl.constexpr, BLOCK: tl.constexpr):
+                            PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = row < rows
     request = row // NEXT_N
@@ -60,5 +63,6 @@ def decode_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, state_slo
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     _decode_metadata_kernel[(triton.cdiv(rows, BLOCK_ROWS),)](
         seq_lens, table, state_slots, context_lens, positions, slots, state_slot, rows, table.stride(0),
-        table.shape[1], NEXT_N=next_n, RATIO=compress_ratio, PAGE=PAGE_SIZE, BLOCK=BLOCK_ROWS, num_warps=4)
+        table.shape[1], NEXT_N=next_n, RATIO=compress_ratio, PAGE=PAGE_SIZE, BLOCK=BLOCK_ROWS, num_warps=4,
+        **pdl_options(device))
     return context_lens, positions, slots, state_slot

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...contract.cache import PAGE_BYTES, PAGE_SIZE, page_views
+from .pdl import pdl_options, wait_for_predecessor
 from .quant import (FP8_CONSTEXPRS, abs_max, fp8_constexprs, fp8_group_scale, interpreted, nan_maximum,
                     quantize_groups, round_to_dtype_grid, round_to_fp8_grid)
 
@@ -279,7 +280,9 @@ def _q_prologue_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr, n_r
                        weight_scale,
                        ROPE_MODE: tl.constexpr, ROPE_OFF: tl.constexpr, ROPE_DIM: tl.constexpr,
                        INTERLEAVED: tl.constexpr, UE8M0: tl.constexpr, FMAX: tl.constexpr, MIN_EXP: tl.constexpr,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     QW: tl.constexpr = D // 4
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -340,7 +343,8 @@ def q_prologue(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
                              ROPE_MODE=_rope_mode(rope_offset, rope_dim, interleaved), ROPE_OFF=int(rope_offset),
                              ROPE_DIM=rope_dim, INTERLEAVED=bool(interleaved), UE8M0=bool(ue8m0),
                              **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), D=d, BLOCK_M=block_m,
-                             INTERPRET=_Q_PROLOGUE_INTERPRETED, num_warps=warps)
+                             INTERPRET=_Q_PROLOGUE_INTERPRETED, num_warps=warps,
+                             **pdl_options(q.device))
     return q_fp8, weights
 
 
@@ -353,7 +357,9 @@ def _k_prologue_store_kernel(k_ptr, w_ptr, b_ptr, pos_ptr, cs_ptr, slot_ptr, key
                              ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, UE8M0: tl.constexpr,
                              FMAX: tl.constexpr, MIN_EXP: tl.constexpr, PAGE: tl.constexpr,
                              PAGE_KEY_STRIDE: tl.constexpr, PAGE_SCALE_STRIDE: tl.constexpr, D: tl.constexpr,
-                             BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+                             BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     QW: tl.constexpr = D // 4
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -434,7 +440,7 @@ def k_prologue_store(k: torch.Tensor, norm_weight: torch.Tensor | None, norm_bia
                                    UE8M0=bool(ue8m0), **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)),
                                    PAGE=PAGE_SIZE, PAGE_KEY_STRIDE=PAGE_BYTES, PAGE_SCALE_STRIDE=PAGE_BYTES // 4,
                                    D=d, BLOCK_M=block_m, INTERPRET=_K_PROLOGUE_STORE_INTERPRETED,
-                                   num_warps=warps)
+                                   num_warps=warps, **pdl_options(k.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -510,7 +516,9 @@ def _q_prologue_fp4_kernel(q_ptr, pos_ptr, cs_ptr, hw_ptr, q_out_ptr, w_out_ptr,
                            ROPE_OFF: tl.constexpr, ROPE_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                            D: tl.constexpr, LOG_D: tl.constexpr, BLOCK: tl.constexpr, FOLD_SHIFT: tl.constexpr,
                            MIN_EXP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_MAX: tl.constexpr,
-                           BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+                           BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     NB: tl.constexpr = D // BLOCK
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # flat (token, head) rows of q [T*H, D]
@@ -596,7 +604,7 @@ def q_prologue_fp4_into(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch
                                  FOLD_SHIFT=_FOLD_SHIFT[q_fp8.dtype], MIN_EXP=FP8_CONSTEXPRS[q_fp8.dtype]["MIN_EXP"],
                                  AMAX_FLOOR=FP4_AMAX_FLOOR, INV_MAX=FP4_INV_MAX, BLOCK_M=block_m,
                                  INTERPRET=_Q_PROLOGUE_FP4_INTERPRETED, num_warps=warps,
-                                 enable_fp_fusion=False)
+                                 enable_fp_fusion=False, **pdl_options(q.device))
 
 
 def q_prologue_fp4(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, head_weights: torch.Tensor,

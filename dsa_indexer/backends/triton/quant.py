@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_predecessor
+
 # Smallest normal exponent of the fp8 formats: e4m3fn has bias 7, e4m3fnuz bias 8. Below it the fp8 grid is
 # uniform (subnormals), spacing 2**(MIN_EXP - 3).
 _FP8_MIN_EXP = {torch.float8_e4m3fn: -6, torch.float8_e4m3fnuz: -7}
@@ -159,7 +161,9 @@ def quantize_groups(x, scale, inv_scale, FMAX: tl.constexpr, MIN_EXP: tl.constex
 @triton.jit
 def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, n_groups,
                          GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_G: tl.constexpr,
-                         FMAX: tl.constexpr, MIN_EXP: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
+                         FMAX: tl.constexpr, MIN_EXP: tl.constexpr, UE8M0: tl.constexpr, INTERPRET: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     # The input is viewed as [n_groups, GROUP] (groups never straddle rows since the row width is a multiple
     # of GROUP), so one flat tile of BLOCK_G groups covers several rows at once and stays contiguous in memory.
     pid = tl.program_id(0)
@@ -199,7 +203,8 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
     grid = (triton.cdiv(n_groups, block_g),)
     _quant_groups_kernel[grid](xc, q, scales, n_groups, GROUP=group_size, GROUP_P2=group_p2, BLOCK_G=block_g,
                                **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), UE8M0=bool(ue8m0),
-                               INTERPRET=_QUANT_GROUPS_INTERPRETED, num_warps=warps)
+                               INTERPRET=_QUANT_GROUPS_INTERPRETED, num_warps=warps,
+                               **pdl_options(x.device))
     return q, scales
 
 
@@ -209,7 +214,9 @@ def quant_fp8_groups(x: torch.Tensor, group_size: int = 128, ue8m0: bool = False
 def _rmsnorm_quant_kernel(x_ptr, w_ptr, normed_ptr, q_ptr, s_ptr, n_rows, width, n_groups, eps,
                           GROUP: tl.constexpr, GROUP_P2: tl.constexpr, GROUPS_P2: tl.constexpr,
                           BLOCK_R: tl.constexpr, FMAX: tl.constexpr, MIN_EXP: tl.constexpr, UE8M0: tl.constexpr,
-                          INTERPRET: tl.constexpr):
+                          INTERPRET: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     # A [BLOCK_R, groups, group] tile holds BLOCK_R whole rows: the RMS reduces over the last two axes, the
     # fp8 amax over the last one, with no reshape in between.
     pid = tl.program_id(0)
@@ -276,5 +283,6 @@ def rmsnorm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group_s
     _rmsnorm_quant_kernel[grid](xc, weight.contiguous(), normed, q, scales, n_rows, width, n_groups, float(eps),
                                 GROUP=group_size, GROUP_P2=group_p2, GROUPS_P2=groups_p2, BLOCK_R=block_r,
                                 **(FP8_CONSTEXPRS.get(fp8_dtype) or fp8_constexprs(fp8_dtype)), UE8M0=bool(ue8m0),
-                                INTERPRET=_RMSNORM_QUANT_INTERPRETED, num_warps=warps)
+                                INTERPRET=_RMSNORM_QUANT_INTERPRETED, num_warps=warps,
+                                **pdl_options(x.device))
     return normed, q, scales

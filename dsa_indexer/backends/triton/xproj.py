@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_predecessor
 from .quant import interpreted, round_to_dtype_grid
 
 BLOCK_N = 16
@@ -78,7 +79,9 @@ def _store_tile(out_ptr, stride_out, total, offs_m, mmask, first_col, N, BLOCK_N
 def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, stride_x, stride_wp, stride_wk,
                                   CHUNK: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr):
+                                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr,
+                                  PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     # WIDEN: every dot in IEEE fp32 on widened tiles: for an fp32 x (F.linear's fp32 GEMM uses no TF32; fp16 x too,
     # whose values the bf16 terms would not hold), and under the interpreter, whose bf16 dot is wrong (Triton 3.9;
     # the products are exact either way, only the order of the fp32 sums differs from the GPU's).
@@ -105,7 +108,9 @@ def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, s
 @triton.jit
 def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, stride_k, SPLITS: tl.constexpr,
                                  HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+                                 PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -182,13 +187,14 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
     m_tiles = triton.cdiv(rows, block_m)
     head_tiles = triton.cdiv(heads, BLOCK_N)
     partials = torch.empty(m_tiles * n_tiles * splits * block_m * BLOCK_N, dtype=torch.float32, device=x.device)
+    pdl = pdl_options(x.device)
     _x_projections_partial_kernel[(splits, n_tiles, m_tiles)](
         x, weights_proj, wk, partials, rows, hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0),
         CHUNK=chunk, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         WP_FP32=wp_fp32, num_warps=4,
-        WIDEN=x.dtype != torch.bfloat16 or _PARTIAL_INTERPRETED, num_stages=3)
+        WIDEN=x.dtype != torch.bfloat16 or _PARTIAL_INTERPRETED, num_stages=3, **pdl)
     _x_projections_reduce_kernel[(n_tiles, m_tiles)](
         partials, head_weights, k, rows, heads, dim, head_weights.stride(0), k.stride(0), splits,
         HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        INTERPRET=_REDUCE_INTERPRETED, num_warps=4)
+        INTERPRET=_REDUCE_INTERPRETED, num_warps=4, **pdl)
     return head_weights, k
