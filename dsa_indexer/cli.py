@@ -435,6 +435,8 @@ def _bench_command(args) -> list[str]:
             command += [flag, *map(str, value if isinstance(value, list) else [value])]
     if args.prefill_shapes:
         command += ["--prefill-shapes", *(f"{q}x{k}" for q, k in args.prefill_shapes)]
+    if args.inference_mode:
+        command.append("--inference-mode")
     return command
 
 
@@ -480,7 +482,8 @@ def cmd_bench(args) -> int:
     with contextlib.redirect_stdout(sys.stderr) if json_stdout else contextlib.nullcontext():
         report = bench.run_bench(args.suite, device=device, repeats=args.repeats,
                                  progress=bench.progress_factory(args.progress), batches=args.batch,
-                                 contexts=args.context, prefill=args.prefill_shapes, budget_s=args.budget_s)
+                                 contexts=args.context, prefill=args.prefill_shapes, budget_s=args.budget_s,
+                                 inference_mode=args.inference_mode)
         plots = bench.write_plots(report, args.plots) if args.plots else []
         if not json_stdout:
             print(bench.format_table(report))
@@ -587,6 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prefill queries x keys, causal (default 4096x4096 2048x32768 on GPU, 128x1024 on CPU)")
     bench.add_argument("--budget-s", type=_positive_seconds, default=None, metavar="SECONDS",
                        help="start no new item after this many seconds (the rest is listed as skipped)")
+    bench.add_argument("--inference-mode", action="store_true",
+                       help="run every measurement under torch.inference_mode(), as vLLM and SGLang run their models "
+                            "(recorded in the JSON's settings; default: plain eager mode)")
     bench.add_argument("--json", type=_writable_json_path, metavar="FILE",
                        help="write the results as JSON to this file ('-': stdout, instead of the table; stdout then "
                             "holds the JSON only)")

@@ -323,10 +323,12 @@ def bench_prefill(run: _Run, queries: int, keys: int) -> None:
 def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats: int | None = None,
               progress: Callable[[int], object] | None = None, batches: Sequence[int] | None = None,
               contexts: Sequence[int] | None = None, prefill: Sequence[tuple[int, int]] | None = None,
-              budget_s: float | None = None) -> BenchReport:
+              budget_s: float | None = None, inference_mode: bool = False) -> BenchReport:
     """Run ``suites`` (see the module docstring). ``batches`` x ``contexts``: the decode / top-k sweep, ``prefill``:
     (queries, keys) pairs (defaults: GPU or CPU sizes). ``budget_s``: start no new item after that many seconds
-    (the skipped ones are listed in ``skipped_for_time``). ``progress``: a `progress_factory` result."""
+    (the skipped ones are listed in ``skipped_for_time``). ``progress``: a `progress_factory` result.
+    ``inference_mode``: run every item (inputs, warm-up, capture, timing) under ``torch.inference_mode()``, as vLLM
+    and SGLang run their models; the ceilings are measured outside it either way."""
     unknown = sorted(set(suites) - set(SUITES))
     if unknown or not suites:
         raise ValueError(f"suites must be some of {SUITES}, got {list(suites)}")
@@ -363,6 +365,7 @@ def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats
     report.ceilings, report.ceiling_spread = measure_ceilings(device, timer, target.fp8_dtype)
     report.settings = {"suites": list(suites), "repeats": timer.repeats, "batches": batches, "contexts": contexts,
                        "prefill": [list(p) for p in prefill], "budget_s": budget_s,
+                       "inference_mode": inference_mode,
                        "plugins_failed": list(default_registry().plugins_failed),
                        "timing": ("CUDA-graph replays timed by CUDA events, L2 flushed (256 MiB write) before each, "
                                   "warm-up excluded, median (rows' spread: min, p10, p90, max, count)" if on_gpu
@@ -392,7 +395,8 @@ def run_bench(suites: Sequence[str], device: torch.device | None = None, repeats
             if budget_s is not None and time.perf_counter() - started > budget_s:
                 report.skipped_for_time.append(label)
             else:
-                work()
+                with torch.inference_mode() if inference_mode else contextlib.nullcontext():
+                    work()
                 if on_gpu:
                     torch.cuda.empty_cache()  # this shape's cache and graphs go before the next is allocated
             bar.advance(label)

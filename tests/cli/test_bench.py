@@ -340,3 +340,26 @@ def test_a_forced_bench_row_restores_the_override_that_was_there(monkeypatch):
     with _Forced("op", "op.vendor.a"):
         assert reg.call("op", sm90, Problem()) == "op.vendor.a"
     assert "op" not in reg.forced() and reg.call("op", sm90, Problem()) == "op.vendor.b"
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_inference_mode_runs_every_measurement_under_it_and_says_so(monkeypatch, capsys, inference):
+    """Engines run their models under torch.inference_mode (issue 38 wants the numbers there too): with
+    --inference-mode every item runs inside it, and the JSON's settings and command record it."""
+    original = bench.suites.bench_topk
+    seen = []
+
+    def watched(*args):
+        seen.append(torch.is_inference_mode_enabled())
+        return original(*args)
+
+    monkeypatch.setattr(bench.suites, "bench_topk", watched)
+    flag = ["--inference-mode"] if inference else []
+    code, data, _ = _json_run(capsys, "--suite", "topk", *CPU, "--batch", "1", "--context", "256", "--repeats", "1",
+                              *flag)
+    assert code == 0 and seen == [inference]
+    assert data["settings"]["inference_mode"] is inference
+    assert ("--inference-mode" in data["command"]) is inference
+    assert not torch.is_inference_mode_enabled()  # left as it was
+    rows = {r["implementation"]: r for r in data["rows"]}
+    assert rows["topk_indices.reference.torch"]["details"]["rows_differing_from_torch_topk"] == 0
