@@ -5,6 +5,7 @@ not FlashInfer's numerics)."""
 
 from __future__ import annotations
 
+import subprocess
 import types
 
 import pytest
@@ -126,6 +127,57 @@ def test_a_register_variant_loads_its_own_build_and_goes_back(monkeypatch):
     finally:
         cuda_topk.use_register_variant()
     assert loaded == [(cuda_topk.REGISTERS_SOURCE, ("DSA_TOPK_SOLO_WINDOW=1",)), (cuda_topk.REGISTERS_SOURCE, ())]
+
+
+def test_pdl_launches_load_the_pdl_builds(monkeypatch):
+    """With PDL on for the device (``DSA_INDEXER_PDL=1``), both top-k libraries load their ``DSA_PDL=1`` build, a
+    register variant's macros kept; off, the shipped builds."""
+    loaded = []
+    fake = types.SimpleNamespace(**{name: types.SimpleNamespace() for name in (
+        "dsa_topk_launch", "dsa_topk_smem_bytes", "dsa_topk_error_string",
+        "dsa_topk_registers_launch", "dsa_topk_registers_chunk", "dsa_topk_routed_launch", "dsa_topk_stream_launch",
+        "dsa_topk_stream_max_cols", "dsa_topk_stream_active_clusters", "dsa_topk_stream_smem_bytes",
+        "dsa_topk_prefill_launch", "dsa_topk_prefill_max_cols", "dsa_topk_prefill_blocks_per_sm",
+        "dsa_topk_registers_error_string")})
+    monkeypatch.setattr(jit, "load", lambda source, capability, defines=(): loaded.append((source, defines)) or fake)
+    cuda_topk._library.cache_clear()
+    try:
+        cuda_topk.use_register_variant(("DSA_TOPK_SOLO_WINDOW=1",))
+        cuda_topk._registers_library((9, 0), True)
+        cuda_topk._library((9, 0), True)
+        cuda_topk._library((9, 0))
+    finally:
+        cuda_topk.use_register_variant()
+        cuda_topk._library.cache_clear()
+    assert loaded == [(cuda_topk.REGISTERS_SOURCE, ("DSA_TOPK_SOLO_WINDOW=1", "DSA_PDL=1")),
+                      (cuda_topk.SOURCE, ("DSA_PDL=1",)), (cuda_topk.SOURCE, ())]
+
+
+def test_the_pdl_build_waits_before_any_memory_access(tmp_path):
+    """csrc/cluster_launch.cuh: in the ``DSA_PDL=1`` build every kernel's first instruction of note is
+    ``griddepcontrol.wait`` (before any global load or store, barrier or cluster barrier); the shipped build has
+    none. Compiled to PTX for sm90 (skipped where no nvcc is found, as on CI's machine)."""
+    nvcc = jit.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc: the PDL build is checked where the CUDA kernels can build")
+    for defines, expect in (((), False), (("-DDSA_PDL=1",), True)):
+        ptx_path = tmp_path / f"topk_{int(expect)}.ptx"
+        built = subprocess.run([nvcc, "-ptx", "-O3", "-std=c++17", "--expt-relaxed-constexpr", *defines,
+                                *jit.arch_flags((9, 0)), "-o", str(ptx_path), str(jit.CSRC / cuda_topk.SOURCE)],
+                               capture_output=True, text=True, timeout=600)
+        assert built.returncode == 0, built.stderr[-2000:]
+        entries = ptx_path.read_text().split(".entry ")[1:]
+        assert entries, "no kernel in the PTX"
+        for body in entries:
+            ops = [line.split()[0] for line in body.splitlines() if line.strip() and not line.strip().startswith(
+                ("//", ".", "{", "}", "$", "(", ")"))]
+            if not expect:
+                assert not any(op.startswith("griddepcontrol") for op in ops)
+                continue
+            first_access = next(i for i, op in enumerate(ops)
+                                if op.startswith(("ld.global", "st.global", "bar.", "barrier.", "atom.", "red.")))
+            assert "griddepcontrol.wait;" in ops[:first_access] or "griddepcontrol.wait" in ops[:first_access], \
+                ops[:first_access + 1]
 
 
 @pytest.mark.parametrize("rows,cols,vec,cluster", [(32, 8192, 4, 1), (1, 8192, 4, 1), (1, 32768, 4, 2),

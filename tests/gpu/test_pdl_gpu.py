@@ -1,12 +1,15 @@
 """Programmatic dependent launch (``DSA_INDEXER_PDL=1``, `backends/triton/pdl.py`) on the GPU: a decode step with
 PDL on equals the step with PDL off, bit for bit (top-k, and every cache byte), eagerly and replayed from a CUDA
-graph, V3.2 (dual stream) and V4's C4 indexer (compressor state too). Each PDL kernel waits for its predecessor
-before any load or store, so launch order is the only thing that changes; any difference is a race."""
+graph, V3.2 (dual stream) and V4's C4 indexer (compressor state too); and every launch kind of the CUDA top-k from
+its ``DSA_PDL=1`` build against the shipped one, each right behind the kernel that writes its logits. Each PDL
+kernel waits for its predecessor before any load or store, so launch order is the only thing that changes; any
+difference is a race."""
 
 import pytest
 import torch
 
 from dsa_indexer import CompressorState, DecodeBatch, IndexerConfig, IndexKCache, Indexer, PrefillBatch, ops
+from dsa_indexer.backends.cuda import topk as cuda_topk
 from dsa_indexer.backends.triton import pdl
 from dsa_indexer.contract.cache import PAGE_SIZE
 from dsa_indexer.graphs import DecodeGraph
@@ -108,3 +111,33 @@ def test_v4_decode_with_pdl_equals_without(pdl_switch):
         assert torch.equal(off, on), "V4 top-k differs with PDL on"
     assert torch.equal(results[False][1], results[True][1]), "V4 cache bytes differ with PDL on"
     assert torch.equal(results[False][2], results[True][2]), "V4 compressor state differs with PDL on"
+
+
+@pytest.mark.parametrize("rows,cols,k,plan", [
+    (1, 8192, 2048, cuda_topk.Plan("registers", 1, 16)),
+    (32, 8192, 2048, None),
+    (4, 32768, 2048, cuda_topk.Plan("stream", 1, 0)),
+    (4, 32768, 512, cuda_topk.Plan("stream", 2, 0)),
+    (8, 32768, 2048, cuda_topk.Plan("routed", 4, 16)),
+    (3, 20000, 2048, cuda_topk.Plan("shared", 1, 32768)),
+    (300, 16384, 2048, cuda_topk.Plan("prefill", 1, cuda_topk.PREFILL_THREADS)),
+])
+def test_topk_launches_with_pdl_equal_the_shipped_build(pdl_switch, rows, cols, k, plan):
+    """The logits are written by the kernel just before the top-k (a scale of a random tensor), so a top-k that
+    read them before its predecessor finished would see the old values: each launch kind, PDL on against off."""
+    gen = torch.Generator(device="cuda").manual_seed(rows * cols + k)
+    source = torch.randn(rows, cols, device="cuda", generator=gen)
+    ends = torch.randint(k // 2, cols + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    got = {}
+    for on in (False, True):
+        pdl_switch(on)
+        logits = torch.full_like(source, float("nan"))  # stale values a racing top-k would pick up
+        torch.cuda.synchronize()
+        torch.mul(source, 3.0, out=logits)  # the predecessor kernel
+        got[on] = cuda_topk.run_plan(logits, k, ends, None, None, None, plan)
+        torch.cuda.synchronize()
+    assert torch.equal(got[False], got[True])
+    want = torch.topk(torch.where(torch.arange(cols, device="cuda")[None, :] < ends[:, None].long(), source,
+                                  float("-inf")), k, dim=1).values
+    picked = torch.where(got[True] >= 0, source.gather(1, got[True].clamp_min(0).long()), float("-inf"))
+    assert torch.equal(picked.sort(dim=1, descending=True).values, want), "not the k largest"

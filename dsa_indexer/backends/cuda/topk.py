@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..triton.pdl import pdl_options
 from . import jit
 
 SOURCE = "topk.cu"
@@ -113,9 +114,14 @@ ROW_ARGTYPES = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, 
                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p)
 
 
+# The builds for programmatic dependent launch (csrc/cluster_launch.cuh): used when the step's kernels launch with PDL
+# (``DSA_INDEXER_PDL=1``; one decision per device, shared with the Triton kernels, `backends/triton/pdl.py`).
+PDL_DEFINES = ("DSA_PDL=1",)
+
+
 @functools.lru_cache(maxsize=None)
-def _library(capability: tuple[int, int]) -> ctypes.CDLL:
-    lib = jit.load(SOURCE, capability)
+def _library(capability: tuple[int, int], pdl: bool = False) -> ctypes.CDLL:
+    lib = jit.load(SOURCE, capability, PDL_DEFINES if pdl else ())
     lib.dsa_topk_launch.restype = ctypes.c_int
     lib.dsa_topk_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_void_p]
@@ -142,8 +148,8 @@ def use_register_variant(defines: tuple[str, ...] = ()) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _registers_library(capability: tuple[int, int]) -> ctypes.CDLL:
-    lib = jit.load(REGISTERS_SOURCE, capability, REGISTER_DEFINES)
+def _registers_library(capability: tuple[int, int], pdl: bool = False) -> ctypes.CDLL:
+    lib = jit.load(REGISTERS_SOURCE, capability, REGISTER_DEFINES + (PDL_DEFINES if pdl else ()))
     lib.dsa_topk_registers_launch.restype = ctypes.c_int
     lib.dsa_topk_registers_launch.argtypes = [*ROW_ARGTYPES, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.c_void_p]
@@ -369,37 +375,38 @@ def run_plan(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch.Ten
         bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     req = row_request.contiguous() if row_request is not None else None
     stream = torch.cuda.current_stream(device).cuda_stream
+    pdl = bool(pdl_options(device))  # the kernels below launch from the PDL build when the step's do
     args = (x.data_ptr(), x.stride(0), rows, cols, k, starts.data_ptr() if starts is not None else None,
             ends.data_ptr(), bt.data_ptr() if bt is not None else None, bt.stride(0) if bt is not None else 0,
             req.data_ptr() if req is not None else None, out.data_ptr())
     if launch.kernel == "prefill":
-        lib = _registers_library(capability)
+        lib = _registers_library(capability, pdl)
         grid = min(rows, sms * _prefill_blocks_per_sm(capability, launch.per_cta))
         err = lib.dsa_topk_prefill_launch(*args, launch.per_cta, grid, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "stream":
-        lib = _registers_library(capability)
+        lib = _registers_library(capability, pdl)
         if launch.cluster not in STREAM_CLUSTERS:
             raise ValueError(f"plan {launch}: the streaming kernel runs on 1, 2, 4 or 8 CTAs per row")
         cluster = launched_plan(launch, rows, capability).cluster  # narrowed to one wave (exact either way)
         err = lib.dsa_topk_stream_launch(*args, min(rows, MAX_GRID_ROWS), cluster, int(vec == 4), stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "routed":
-        lib = _registers_library(capability)
+        lib = _registers_library(capability, pdl)
         if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols or rows > MAX_GRID_ROWS:
             raise ValueError(f"plan {launch} does not cover {rows} rows of {cols} columns")
         err = lib.dsa_topk_routed_launch(*args, launch.cluster, launch.per_cta, int(vec == 4),
                                          LONG_ROWS_STREAM_MIN_COLS, LONG_ROWS_STREAM_MIN_ROWS, stream)
         message = lib.dsa_topk_registers_error_string
     elif launch.kernel == "registers":
-        lib = _registers_library(capability)
+        lib = _registers_library(capability, pdl)
         if launch.cluster * lib.dsa_topk_registers_chunk(launch.per_cta) < cols:
             raise ValueError(f"plan {launch} does not cover {cols} columns")
         err = lib.dsa_topk_registers_launch(*args, launch.cluster, launch.per_cta, int(vec == 4),
                                             registers_grid_rows(rows, launch.cluster, sms), stream)
         message = lib.dsa_topk_registers_error_string
     else:
-        lib = _library(capability)
+        lib = _library(capability, pdl)
         err = lib.dsa_topk_launch(*args, launch.cluster, vec, launch.per_cta, MAX_GRID_ROWS, stream)
         message = lib.dsa_topk_error_string
     if err != 0:

@@ -7,8 +7,9 @@ its predecessor drains. Each kernel taking part starts with `wait_for_predecesso
 which returns once every grid it depends on has completed and its writes are visible, then
 ``griddepcontrol.launch_dependents``, which lets the next kernel launch in turn. The wait is the first statement,
 before any load or store, so no kernel reads its predecessor's output early or overwrites what the predecessor
-still reads: results are bit-identical with PDL on or off. A kernel launched without PDL (torch's, cuBLAS's,
-DeepGEMM's) waits for its predecessor in full, as always.
+still reads: results are bit-identical with PDL on or off. The CUDA top-k reads the same decision
+(`backends/cuda/topk.py` then launches its ``DSA_PDL=1`` builds, `csrc/cluster_launch.cuh`). A kernel launched
+without PDL (torch's, cuBLAS's, DeepGEMM's) waits for its predecessor in full, as always.
 
 ``DSA_INDEXER_PDL=1`` turns it on. It is off by default because it has not yet been timed (issue 38). The choice
 is made once per device, at that device's first launch: PDL is used only on a CUDA device (not ROCm) of compute

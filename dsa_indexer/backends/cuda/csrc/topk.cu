@@ -190,6 +190,7 @@ __device__ __forceinline__ bool valid_col(int col, const Row<VEC>& r) {
 
 template <int VEC>
 __global__ void __launch_bounds__(kThreads, 1) topk_rows_kernel(Params p) {
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned* keys = reinterpret_cast<unsigned*>(smem_raw);
   Smem& s = *reinterpret_cast<Smem*>(smem_raw + (size_t)p.chunk_cols * sizeof(unsigned));

@@ -827,6 +827,7 @@ constexpr bool kRowKpt = DSA_TOPK_ROW_KPT;
 // each row's route without communicating. The launch may give a cluster several rows (grid_rows < rows).
 template <int KPT>
 __global__ void __launch_bounds__(kThreads, 2) topk_registers_kernel(Params p) {
+  pdl_wait();
   constexpr int kChunk = KPT * kThreads;
   __shared__ __align__(16) Shared s;
   cg::cluster_group cluster = cg::this_cluster();
@@ -978,6 +979,7 @@ __device__ __forceinline__ void for_each_key(bool fast, const StreamShared& s, i
 
 template <bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1) topk_stream_kernel(Params p) {
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char stream_smem[];
   StreamShared& s = *reinterpret_cast<StreamShared*>(stream_smem);
   // find_bin is always called with csize 1 here (block barriers only); SPLIT's cluster barriers are explicit
@@ -1353,8 +1355,8 @@ cudaError_t launch_stream(const Params& p, int grid, int cluster, cudaStream_t s
   if (cluster <= 1) {
     const cudaError_t err = configure_stream<false>();
     if (err != cudaSuccess) return err;
-    topk_stream_kernel<false><<<grid, kThreads, sizeof(StreamShared), stream>>>(p);
-    return cudaSuccess;
+    return launch_plain(topk_stream_kernel<false>, dim3((unsigned)grid, 1, 1), kThreads, sizeof(StreamShared), stream,
+                        p);
   }
   const cudaError_t err = configure_stream<true>();
   if (err != cudaSuccess) return err;
@@ -1489,6 +1491,7 @@ __device__ __forceinline__ int prefill_pass(const float* x_row, int base, int nv
 
 template <int T, int MIN_BLOCKS>
 __global__ void __launch_bounds__(T, MIN_BLOCKS) topk_prefill_kernel(Params p) {
+  pdl_wait();
   extern __shared__ __align__(16) unsigned char prefill_smem[];
   PrefillShared<T>& s = *reinterpret_cast<PrefillShared<T>*>(prefill_smem);
   const int t = threadIdx.x;
@@ -1719,8 +1722,8 @@ template <int T, int MIN_BLOCKS>
 cudaError_t launch_prefill(const Params& p, int grid, cudaStream_t stream) {
   const cudaError_t err = prefill_configure<T, MIN_BLOCKS>();
   if (err != cudaSuccess) return err;
-  topk_prefill_kernel<T, MIN_BLOCKS><<<grid, T, sizeof(PrefillShared<T>), stream>>>(p);
-  return cudaSuccess;
+  return launch_plain(topk_prefill_kernel<T, MIN_BLOCKS>, dim3((unsigned)grid, 1, 1), T, sizeof(PrefillShared<T>),
+                      stream, p);
 }
 
 template <int T, int MIN_BLOCKS>
@@ -1854,9 +1857,10 @@ int dsa_topk_stream_max_cols() { return kStreamMaxCols; }
 // plan narrows its clusters until its rows fit (topk.py).
 int dsa_topk_stream_active_clusters(int cluster) {
   if (cluster < 2 || cluster > 8 || configure_stream<true>() != cudaSuccess) return 0;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads, (unsigned)cluster,
-                                                          sizeof(StreamShared), nullptr, attr);
+  cudaLaunchAttribute attr[kLaunchAttrs];
+  cudaLaunchConfig_t config = cluster_launch_config(dim3((unsigned)cluster, 1, 1), kThreads, (unsigned)cluster,
+                                                    sizeof(StreamShared), nullptr, attr);
+  config.numAttrs = 1;  // the cluster dimension alone: occupancy does not depend on how the launch is serialized
   int clusters = 0;
   if (cudaOccupancyMaxActiveClusters(&clusters, (const void*)topk_stream_kernel<true>, &config) != cudaSuccess) {
     (void)cudaGetLastError();  // a refused query leaves no error for the next launch to report
