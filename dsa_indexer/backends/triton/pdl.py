@@ -46,11 +46,21 @@ def uses_pdl(device: torch.device) -> bool:
         return False
     if not env_flag(PDL_ENV):
         return False
-    if not hasattr(tl.extra.cuda, "gdc_wait"):
-        raise RuntimeError(f"{PDL_ENV}=1 needs a Triton with programmatic dependent launch "
-                           f"(triton.language.extra.cuda.gdc_wait, Triton 3.4 or later); this is Triton "
+    if not triton_has_pdl():
+        raise RuntimeError(f"{PDL_ENV}=1 needs a Triton with programmatic dependent launch (the launch option "
+                           f"launch_pdl and triton.language.extra.cuda.gdc_wait); this is Triton "
                            f"{triton.__version__}: upgrade Triton or unset {PDL_ENV}")
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def triton_has_pdl() -> bool:
+    """Whether this Triton can launch with PDL: its NVIDIA options know ``launch_pdl`` and its language has the
+    grid dependency control."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # a Triton without its NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}) and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 def forget_decisions() -> None:

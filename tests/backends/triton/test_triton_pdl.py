@@ -49,6 +49,8 @@ def test_when_a_cuda_device_uses_pdl(monkeypatch, fresh_decisions):
     monkeypatch.setenv(pdl.PDL_ENV, "off")
     assert not pdl.uses_pdl(cuda)
     monkeypatch.setenv(pdl.PDL_ENV, "1")
+    if not pdl.triton_has_pdl():
+        pytest.skip(f"Triton {triton.__version__} cannot launch with PDL (checked below with a stand-in)")
     assert pdl.uses_pdl(cuda)
     assert pdl.pdl_options(cuda) == {"PDL": True, "launch_pdl": True}
     capability[0] = (8, 0)
@@ -60,6 +62,10 @@ def test_when_a_cuda_device_uses_pdl(monkeypatch, fresh_decisions):
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.uses_pdl(cuda), "the interpreter has no grids to overlap"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(pdl, "triton_has_pdl", lambda: False)
+    with pytest.raises(RuntimeError, match="DSA_INDEXER_PDL=1 needs a Triton with programmatic dependent launch"):
+        pdl.uses_pdl(cuda)
 
 
 def test_decisions_are_kept_per_device(monkeypatch, fresh_decisions):
@@ -154,8 +160,8 @@ PTX_PROBE = textwrap.dedent('''
 
 
 def test_the_wait_compiles_ahead_of_every_memory_access_for_sm90():
-    if not hasattr(triton.language.extra.cuda, "gdc_wait"):
-        pytest.skip(f"Triton {triton.__version__} has no programmatic dependent launch (3.4 or later has)")
+    if not pdl.triton_has_pdl():
+        pytest.skip(f"Triton {triton.__version__} has no programmatic dependent launch")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     run = subprocess.run([sys.executable, "-c", PTX_PROBE], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
