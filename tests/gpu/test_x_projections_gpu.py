@@ -101,3 +101,68 @@ def test_decode_topk_unchanged_on_the_bench_inputs(batch):
     assert torch.equal(results[REFERENCE][0], results[TRITON][0])
     changed = (results[REFERENCE][1] != results[TRITON][1]).any(dim=-1).sum().item()
     print(f"batch {batch}: top-k identical; cache tokens whose stored bytes differ: {changed} of {batch}")
+
+
+ONE_LAUNCH = "x_projections.triton.one_launch"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 100, 256])
+def test_one_launch_is_bit_identical_to_two_launches(rows):
+    """`x_projections_one_launch` (the last split program of each tile reduces it) against the two launches: the same
+    bits, every output written (NaN-filled), three launches in a row (the arrival counters go back to 0)."""
+    x, wp, wk = _inputs(rows, seed=100 + rows)
+    want = xproj.x_projections(x, wp, wk)
+    for _ in range(3):
+        hw = torch.full((rows, HEADS), float("nan"), device="cuda")
+        k = torch.full((rows, DIM), float("nan"), device="cuda", dtype=torch.bfloat16)
+        xproj.x_projections_one_launch(x, wp, wk, out=(hw, k))
+        torch.cuda.synchronize()
+        assert torch.equal(hw, want[0]) and torch.equal(k, want[1])
+
+
+def test_one_launch_on_two_streams_at_once_and_in_a_graph():
+    """Two streams launching at the same time each count on their own counters, and a captured graph replays it:
+    every result equals the two-launch kernel's."""
+    inputs = [_inputs(32, seed=200 + i) for i in range(2)]
+    want = [xproj.x_projections(*args) for args in inputs]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    outs = [[] for _ in inputs]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for stream, args, got in zip(streams, inputs, outs):
+            with torch.cuda.stream(stream):
+                got.append(xproj.x_projections_one_launch(*args))
+    torch.cuda.synchronize()
+    for got, expected in zip(outs, want):
+        assert all(torch.equal(hw, expected[0]) and torch.equal(k, expected[1]) for hw, k in got)
+    x, wp, wk = inputs[0]
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        xproj.x_projections_one_launch(x, wp, wk)  # warm-up (compile) outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            captured = xproj.x_projections_one_launch(x, wp, wk)
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], want[0][0]) and torch.equal(captured[1], want[0][1])
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_step_with_the_one_launch_projections_is_unchanged(batch):
+    registry = default_registry()
+    indexer = Indexer(IndexerConfig.deepseek_v32(), device="cuda").init_random(0)
+    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, 8192, "cuda", seed=3)
+    results = {}
+    try:
+        for impl in (TRITON, ONE_LAUNCH):
+            registry.force("x_projections", impl)
+            step_cache = type(cache)(cache.data.clone())
+            results[impl] = (indexer(x, q_lora, db.positions, db, step_cache), step_cache.data)
+    finally:
+        registry.force("x_projections", None)
+    torch.cuda.synchronize()
+    assert torch.equal(results[TRITON][0], results[ONE_LAUNCH][0])
+    assert torch.equal(results[TRITON][1], results[ONE_LAUNCH][1])

@@ -22,6 +22,10 @@ TRITON_PRIORITY = 100
 # the fused kernel holds about half the memory. Opt in with
 # DSA_INDEXER_FORCE=ragged_mqa_topk=ragged_mqa_topk.triton.fused_topk.
 FUSED_TOPK_PRIORITY = 1
+# The x projections in one launch (`xproj.x_projections_one_launch`: the last split program of a tile reduces it)
+# rank below the two-launch kernel and above torch's GEMMs (generic, 1): not timed yet (issue 38). Opt in with
+# DSA_INDEXER_FORCE=x_projections=x_projections.triton.one_launch.
+ONE_LAUNCH_XPROJ_PRIORITY = 2
 TRITON_TARGETS = ("sm90", "sm100", "sm120", "gfx942", "gfx950", "gfx1250")
 # Measured on NVIDIA only (the H200): these register for the sm archs; AMD keeps torch's GEMMs (generic).
 NVIDIA_ONLY = {"x_projections": ("sm90", "sm100", "sm120")}
@@ -165,6 +169,16 @@ def dsa_indexer_register(registry: Registry) -> None:
                                 verified=_verified(H200_FP4_RUNS[op], "test_triton_fp4_logits_interp.py",
                                                    TRITON_TARGETS)
                                 )(_factory("logits_fp4", name))
+    xproj_targets = NVIDIA_ONLY["x_projections"]
+    registry.implementation("x_projections", impl_id="x_projections.triton.one_launch", targets=xproj_targets,
+                            priority=ONE_LAUNCH_XPROJ_PRIORITY, requires=("gpu", "triton"),
+                            capabilities=_capabilities("x_projections"),
+                            description="Triton kernel xproj.x_projections_one_launch: the split partials and, in "
+                                        "the last program of each tile to arrive, their reduce (one launch)",
+                            verified=(Verified(Level.INTERPRETER, xproj_targets,
+                                               f"tests/backends/triton/{INTERPRETER_TESTS['x_projections']} "
+                                               "(bit-identical to the two launches)"),)
+                            )(_factory("xproj", "x_projections_one_launch"))
     registry.implementation("ragged_mqa_topk", impl_id="ragged_mqa_topk.triton.fused_topk", targets=TRITON_TARGETS,
                             priority=FUSED_TOPK_PRIORITY, requires=("gpu", "triton"),
                             capabilities=_capabilities("ragged_mqa_topk"),

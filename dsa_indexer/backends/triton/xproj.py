@@ -1,4 +1,4 @@
-"""Triton x projections of a decode step: ``weights_proj(x)`` and ``wk(x)`` from one read of x, in two launches.
+"""Triton x projections of a decode step: ``weights_proj(x)`` and ``wk(x)`` from one read of x, in two launches (or one).
 
 V3.2 runs ``weights_proj`` in fp32 (no bf16 rounding of the head weights) and ``wk`` in bf16, so the two cannot
 share one cuBLAS GEMM. Run by torch, a 32-row step paid a cast of x to fp32, an fp32 SIMT sgemm with its split-K
@@ -12,6 +12,11 @@ weights (about 1 us of HBM). Here:
 2. `_x_projections_reduce_kernel`: sums the partials of each output in split order (a fixed order: the result is
    the same on every run and every stream, as the strategies' bit-identity needs) and writes both outputs in
    their dtypes (head weights fp32, or the weight's dtype; k in x's dtype, rounded to nearest even).
+
+`x_projections_one_launch` runs both in one launch (`_x_projections_one_launch_kernel`): each program writes its
+partial, then counts itself in on its tile's arrival counter, and the last of the tile's split programs to arrive
+reduces the tile as step 2 does. The split order of the sum is unchanged, so the result is bit-identical. It saves a
+launch on the decode step's k path; it is registered below the two launches until it is timed (issue 38).
 
 Accuracy: each output is an fp32 sum of exact products (bf16 x bf16 or widened bf16 x fp32 in IEEE fp32), in
 another order than cuBLAS; tests/gpu/test_x_projections_gpu.py states the bounds. Above `MAX_SPLIT_ROWS` rows
@@ -76,12 +81,10 @@ def _store_tile(out_ptr, stride_out, total, offs_m, mmask, first_col, N, BLOCK_N
 
 
 @triton.jit
-def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, stride_x, stride_wp, stride_wk,
-                                  CHUNK: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr,
-                                  PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+def _partial_tile(x_ptr, wp_ptr, wk_ptr, T, K, H, D, stride_x, stride_wp, stride_wk, CHUNK: tl.constexpr,
+                  HEAD_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr):
+    """This program's fp32 partial: its column tile over its split of K (the grid: split, column tile, row tile)."""
     # WIDEN: every dot in IEEE fp32 on widened tiles: for an fp32 x (F.linear's fp32 GEMM uses no TF32; fp16 x too,
     # whose values the bf16 terms would not hold), and under the interpreter, whose bf16 dot is wrong (Triton 3.9;
     # the products are exact either way, only the order of the fp32 sums differs from the GPU's).
@@ -99,27 +102,28 @@ def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, s
     else:
         acc = _tile_dot(x_rows, mmask, offs_k0, wk_ptr, stride_wk, (pid_n - HEAD_TILES) * BLOCK_N, D, K, CHUNK,
                         BLOCK_M, BLOCK_N, BLOCK_K, False, WIDEN)
-    # Partials laid out [m tile, n tile, split, BLOCK_M, BLOCK_N]: the reduce reads one tile's splits in a run.
-    tile = (pid_m * N_TILES + pid_n) * tl.num_programs(0) + pid_s
-    offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(part_ptr + tile.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile, acc)
+    return acc
 
 
 @triton.jit
-def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, stride_k, SPLITS: tl.constexpr,
-                                 HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-                                 PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _tile_partials(part_ptr, pid_n, pid_m, splits, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The pointers of split 0's partial of one output tile. Partials are laid out [m tile, n tile, split, BLOCK_M,
+    BLOCK_N]: a tile's splits lie in one run."""
     offs_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    base = part_ptr + ((pid_m * N_TILES + pid_n) * SPLITS).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile
+    return part_ptr + ((pid_m * N_TILES + pid_n) * splits).to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_tile
+
+
+@triton.jit
+def _reduce_tile(part_ptr, hw_ptr, k_ptr, pid_n, pid_m, T, H, D, stride_hw, stride_k, SPLITS: tl.constexpr,
+                 HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CACHE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Sum one output tile's partials in split order (a fixed order: the same sum on every run and every stream, as
+    the strategies' bit-identity needs) and write it in its output's dtype. ``CACHE``: the loads' cache modifier."""
+    base = _tile_partials(part_ptr, pid_n, pid_m, SPLITS, N_TILES, BLOCK_M, BLOCK_N)
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Unrolled so that every load is in flight at once; summed in split order (a fixed order: the same sum on
-    # every run, whichever partial program finished first).
-    for s in tl.static_range(SPLITS):
-        total += tl.load(base + s * (BLOCK_M * BLOCK_N))
+    for s in tl.static_range(SPLITS):  # unrolled: every load in flight at once
+        total += tl.load(base + s * (BLOCK_M * BLOCK_N), cache_modifier=CACHE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = offs_m < T
     if pid_n < HEAD_TILES:
@@ -128,11 +132,63 @@ def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, st
         _store_tile(k_ptr, stride_k, total, offs_m, mmask, (pid_n - HEAD_TILES) * BLOCK_N, D, BLOCK_N, INTERPRET)
 
 
+@triton.jit
+def _x_projections_partial_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, T, K, H, D, stride_x, stride_wp, stride_wk,
+                                  CHUNK: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  WP_FP32: tl.constexpr, WIDEN: tl.constexpr,
+                                  PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
+    acc = _partial_tile(x_ptr, wp_ptr, wk_ptr, T, K, H, D, stride_x, stride_wp, stride_wk, CHUNK, HEAD_TILES,
+                        BLOCK_M, BLOCK_N, BLOCK_K, WP_FP32, WIDEN)
+    base = _tile_partials(part_ptr, tl.program_id(1), tl.program_id(2), tl.num_programs(0), N_TILES, BLOCK_M,
+                          BLOCK_N)
+    tl.store(base + tl.program_id(0) * (BLOCK_M * BLOCK_N), acc)
+
+
+@triton.jit
+def _x_projections_reduce_kernel(part_ptr, hw_ptr, k_ptr, T, H, D, stride_hw, stride_k, SPLITS: tl.constexpr,
+                                 HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+                                 PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
+    _reduce_tile(part_ptr, hw_ptr, k_ptr, tl.program_id(0), tl.program_id(1), T, H, D, stride_hw, stride_k, SPLITS,
+                 HEAD_TILES, N_TILES, BLOCK_M, BLOCK_N, "", INTERPRET)
+
+
+@triton.jit
+def _x_projections_one_launch_kernel(x_ptr, wp_ptr, wk_ptr, part_ptr, arrivals_ptr, hw_ptr, k_ptr, T, K, H, D,
+                                     stride_x, stride_wp, stride_wk, stride_hw, stride_k, CHUNK: tl.constexpr,
+                                     SPLITS: tl.constexpr, HEAD_TILES: tl.constexpr, N_TILES: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     WP_FP32: tl.constexpr, WIDEN: tl.constexpr, INTERPRET: tl.constexpr,
+                                     PDL: tl.constexpr = False):
+    """The partial kernel, then the reduce done by the last of a tile's SPLITS programs to arrive (`one_launch`)."""
+    wait_for_predecessor(PDL)
+    pid_n = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    acc = _partial_tile(x_ptr, wp_ptr, wk_ptr, T, K, H, D, stride_x, stride_wp, stride_wk, CHUNK, HEAD_TILES,
+                        BLOCK_M, BLOCK_N, BLOCK_K, WP_FP32, WIDEN)
+    base = _tile_partials(part_ptr, pid_n, pid_m, SPLITS, N_TILES, BLOCK_M, BLOCK_N)
+    tl.store(base + tl.program_id(0) * (BLOCK_M * BLOCK_N), acc)
+    # Every thread's partial is stored before the program arrives: the barrier orders them before the arrival, whose
+    # release (gpu scope) publishes them to the program that arrives last, whose acquire sees them all.
+    tl.debug_barrier()
+    counter = arrivals_ptr + pid_m * N_TILES + pid_n
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        # L2 reads (".cg"): the other programs' partials were never in this SM's L1. Then the counter goes back to
+        # 0 for the next launch on this stream (launches on one stream run in order).
+        _reduce_tile(part_ptr, hw_ptr, k_ptr, pid_n, pid_m, T, H, D, stride_hw, stride_k, SPLITS, HEAD_TILES,
+                     N_TILES, BLOCK_M, BLOCK_N, ".cg", INTERPRET)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
 _SM_COUNT: dict[int, int] = {}
 
 
 _PARTIAL_INTERPRETED = interpreted(_x_projections_partial_kernel)
 _REDUCE_INTERPRETED = interpreted(_x_projections_reduce_kernel)
+_ONE_LAUNCH_INTERPRETED = interpreted(_x_projections_one_launch_kernel)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -164,6 +220,37 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
     or in the weight's dtype; k in x's dtype. Same contract as the reference (`x_projections` in
     backends/reference/kernels.py). ``out``: two contiguous tensors to write (tests pre-fill them with NaN to
     see that every output is written); at most `MAX_SPLIT_ROWS` rows."""
+    return _launch(x, weights_proj, wk, out, one_launch=False)
+
+
+def x_projections_one_launch(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor, *,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x_projections` in one launch: the last of an output tile's split programs to finish sums the tile's
+    partials (same order, so bit-identical to the two launches), counted by an arrival counter per tile that the
+    last one sets back to 0. The counters belong to the current stream (`_arrival_counters`), so launches on two
+    streams never share one. Opt-in (``DSA_INDEXER_FORCE=x_projections=x_projections.triton.one_launch``): it saves
+    the reduce's launch, but was not timed yet (issue 38)."""
+    return _launch(x, weights_proj, wk, out, one_launch=True)
+
+
+_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_MIN_ARRIVAL_COUNTERS = 1024
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, of the current stream on ``device``: made once per stream (each
+    launch leaves them at 0), grown when a launch has more tiles."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _ARRIVALS.get((device, stream))
+    if counters is None or counters.numel() < tiles:
+        counters = _ARRIVALS[(device, stream)] = torch.zeros(max(tiles, _MIN_ARRIVAL_COUNTERS), dtype=torch.int32,
+                                                            device=device)
+    return counters
+
+
+def _launch(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
+            out: tuple[torch.Tensor, torch.Tensor] | None, one_launch: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows, hidden = x.shape
     heads, dim = weights_proj.shape[0], wk.shape[0]
     wp_fp32 = weights_proj.dtype == torch.float32
@@ -188,11 +275,19 @@ def x_projections(x: torch.Tensor, weights_proj: torch.Tensor, wk: torch.Tensor,
     head_tiles = triton.cdiv(heads, BLOCK_N)
     partials = torch.empty(m_tiles * n_tiles * splits * block_m * BLOCK_N, dtype=torch.float32, device=x.device)
     pdl = pdl_options(x.device)
+    widen = x.dtype != torch.bfloat16 or _PARTIAL_INTERPRETED
+    if one_launch:
+        _x_projections_one_launch_kernel[(splits, n_tiles, m_tiles)](
+            x, weights_proj, wk, partials, _arrival_counters(x.device, m_tiles * n_tiles), head_weights, k, rows,
+            hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0), head_weights.stride(0),
+            k.stride(0), CHUNK=chunk, SPLITS=splits, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, WP_FP32=wp_fp32, WIDEN=widen, INTERPRET=_ONE_LAUNCH_INTERPRETED,
+            num_warps=4, num_stages=3, **pdl)
+        return head_weights, k
     _x_projections_partial_kernel[(splits, n_tiles, m_tiles)](
         x, weights_proj, wk, partials, rows, hidden, heads, dim, x.stride(0), weights_proj.stride(0), wk.stride(0),
         CHUNK=chunk, HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        WP_FP32=wp_fp32, num_warps=4,
-        WIDEN=x.dtype != torch.bfloat16 or _PARTIAL_INTERPRETED, num_stages=3, **pdl)
+        WP_FP32=wp_fp32, num_warps=4, WIDEN=widen, num_stages=3, **pdl)
     _x_projections_reduce_kernel[(n_tiles, m_tiles)](
         partials, head_weights, k, rows, heads, dim, head_weights.stride(0), k.stride(0), splits,
         HEAD_TILES=head_tiles, N_TILES=n_tiles, BLOCK_M=block_m, BLOCK_N=BLOCK_N,

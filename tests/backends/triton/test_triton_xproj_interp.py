@@ -59,3 +59,28 @@ def test_the_step_keeps_torchs_gemms_where_no_kernel_serves():
     problem = ops.x_projections.problem(x, plan.weights.weights_proj, plan.weights.wk)
     resolution = plan.registry.choose("x_projections", plan.target, problem)
     assert resolution.chosen.impl_id == "x_projections.generic.torch" and not resolution.is_fallback
+
+
+@pytest.mark.parametrize("rows, hidden, heads, dim, wp_dtype", [
+    (1, 640, 64, 128, torch.float32),
+    (5, 256, 20, 24, torch.float32),
+    (70, 384, 16, 32, torch.bfloat16),  # two row tiles of 64
+])
+def test_one_launch_equals_the_two_launches_bit_for_bit(rows, hidden, heads, dim, wp_dtype):
+    """`x_projections_one_launch`: the last program of each tile to arrive sums the partials in the same split order,
+    so the outputs equal the two-launch kernel's exactly; every output is written (NaN-filled buffers), and every
+    arrival counter is back at 0 for the next launch (run twice: a counter left over would skip a reduce)."""
+    from dsa_indexer.backends.triton import xproj
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    x = torch.randn(rows, hidden, generator=g).to(DEVICE, torch.bfloat16)
+    wp = torch.randn(heads, hidden, generator=g).to(DEVICE, wp_dtype)
+    wk = torch.randn(dim, hidden, generator=g).to(DEVICE, torch.bfloat16)
+    want_hw, want_k = xproj.x_projections(x, wp, wk)
+    for _ in range(2):
+        hw = torch.full((rows, heads), float("nan"), dtype=wp_dtype, device=DEVICE)
+        k = torch.full((rows, dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        xproj.x_projections_one_launch(x, wp, wk, out=(hw, k))
+        assert torch.equal(hw, want_hw) and torch.equal(k, want_k)
+        counters = xproj._arrival_counters(torch.device(DEVICE), 1)
+        assert int(counters.abs().sum()) == 0, "an arrival counter was not set back to 0"
