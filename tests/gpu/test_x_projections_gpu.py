@@ -84,20 +84,27 @@ def test_the_step_runs_the_triton_kernel_on_the_gpu():
     assert plan.kernels["x_projections"].fn.__module__ == xproj.__name__
 
 
-@pytest.mark.parametrize("batch", [1, 32])
-def test_decode_topk_unchanged_on_the_bench_inputs(batch):
+def _decode_steps(impls: tuple[str, ...], batch: int, seed: int) -> dict:
+    """One V3.2 decode step on the bench's inputs per x_projections implementation (forced): impl -> (top-k, the
+    cache's bytes after the step)."""
     registry = default_registry()
     indexer = Indexer(IndexerConfig.deepseek_v32(), device="cuda").init_random(0)
-    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, 8192, "cuda", seed=1)
+    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, 8192, "cuda", seed=seed)
     results = {}
     try:
-        for impl in (REFERENCE, TRITON):
+        for impl in impls:
             registry.force("x_projections", impl)
             step_cache = type(cache)(cache.data.clone())
             results[impl] = (indexer(x, q_lora, db.positions, db, step_cache), step_cache.data)
     finally:
         registry.force("x_projections", None)
     torch.cuda.synchronize()
+    return results
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_topk_unchanged_on_the_bench_inputs(batch):
+    results = _decode_steps((REFERENCE, TRITON), batch, seed=1)
     assert torch.equal(results[REFERENCE][0], results[TRITON][0])
     changed = (results[REFERENCE][1] != results[TRITON][1]).any(dim=-1).sum().item()
     print(f"batch {batch}: top-k identical; cache tokens whose stored bytes differ: {changed} of {batch}")
@@ -152,17 +159,6 @@ def test_one_launch_on_two_streams_at_once_and_in_a_graph():
 
 @pytest.mark.parametrize("batch", [1, 32])
 def test_decode_step_with_the_one_launch_projections_is_unchanged(batch):
-    registry = default_registry()
-    indexer = Indexer(IndexerConfig.deepseek_v32(), device="cuda").init_random(0)
-    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, 8192, "cuda", seed=3)
-    results = {}
-    try:
-        for impl in (TRITON, ONE_LAUNCH):
-            registry.force("x_projections", impl)
-            step_cache = type(cache)(cache.data.clone())
-            results[impl] = (indexer(x, q_lora, db.positions, db, step_cache), step_cache.data)
-    finally:
-        registry.force("x_projections", None)
-    torch.cuda.synchronize()
+    results = _decode_steps((TRITON, ONE_LAUNCH), batch, seed=3)
     assert torch.equal(results[TRITON][0], results[ONE_LAUNCH][0])
     assert torch.equal(results[TRITON][1], results[ONE_LAUNCH][1])
