@@ -742,3 +742,36 @@ def test_prefill_scoring_resolves_to_deepgemm_and_the_cuda_top_k_when_both_are_t
                            environment=both)
     verdict = next(c for c in res.candidates if c.impl.impl_id == "ragged_mqa_topk.cuda.deepgemm_radix")
     assert not verdict.accepted and "heads" in verdict.reason
+
+
+def test_deepgemm_launches_with_its_pdl_only_around_a_pdl_steps_calls(monkeypatch):
+    """`launching_with_pdl`: DeepGEMM's process-wide ``set_pdl`` is on during an adapter call only where the step's
+    kernels launch with PDL, and is restored after (an engine's own setting survives, also when the call raises);
+    a DeepGEMM without the setting gets the adapter unchanged."""
+    import types
+
+    from dsa_indexer.backends.cuda import deepgemm_kernels
+
+    module = types.SimpleNamespace(pdl="engine's own")
+    module.set_pdl = lambda value: setattr(module, "pdl", value)
+    module.get_pdl = lambda: module.pdl
+    seen = []
+
+    def adapter(a, *, fail=False):
+        seen.append(module.pdl)
+        if fail:
+            raise RuntimeError("kernel failed")
+        return a
+
+    adapter.api = "the detected api"
+    wrapped = deepgemm_kernels.launching_with_pdl(adapter, module)
+    assert wrapped.api == "the detected api"
+    x = torch.zeros(2)
+    monkeypatch.setattr(deepgemm_kernels, "pdl_options", lambda device: {})
+    assert wrapped(x) is x
+    monkeypatch.setattr(deepgemm_kernels, "pdl_options", lambda device: {"PDL": True, "launch_pdl": True})
+    assert wrapped(x) is x
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        wrapped(x, fail=True)
+    assert seen == ["engine's own", True, True] and module.pdl == "engine's own"
+    assert deepgemm_kernels.launching_with_pdl(adapter, types.SimpleNamespace()) is adapter

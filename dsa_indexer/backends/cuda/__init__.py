@@ -241,7 +241,7 @@ def _factory(op: str):
 
         from . import deepgemm
 
-        return deepgemm.MAKERS[op](deep_gemm, deepgemm.api_for(deep_gemm))
+        return deepgemm.launching_with_pdl(deepgemm.MAKERS[op](deep_gemm, deepgemm.api_for(deep_gemm)), deep_gemm)
 
     return factory
 

@@ -3,6 +3,7 @@ what the reference returns (`deepgemm.py` states the output contracts), plus the
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any, Callable
 
@@ -11,6 +12,7 @@ import torch
 from ...contract.cache import PAGE_SIZE
 from ...contract.step import StepContext, step_scratch
 from ...contract.validate import IndexerInputError, ranges_checked
+from ..triton.pdl import pdl_options
 from .deepgemm_api import (GEMM_NAMES, METADATA, PAGED_LEGACY, PAGED_NEW, RAGGED_LEGACY, RAGGED_NEW,
                            SM90_RECIPE, SM100_RECIPE, DeepGemmApi, param_names)
 
@@ -283,6 +285,30 @@ def make_gemm_fp8_blockscale(module: ModuleType, api: DeepGemmApi, arch_major: i
 
     gemm_fp8_blockscale.api = api  # type: ignore[attr-defined]
     return gemm_fp8_blockscale
+
+
+def launching_with_pdl(adapter: Callable[..., Any], module: ModuleType) -> Callable[..., Any]:
+    """``adapter`` with DeepGEMM's own programmatic dependent launch on around each call, where the step's kernels
+    launch with PDL (``DSA_INDEXER_PDL=1``, `backends/triton/pdl.py`; decided by the first argument's device).
+    DeepGEMM's kernels wait for their predecessor themselves (``cudaGridDependencySynchronize``), and its runtime
+    launches them with PDL while ``set_pdl(True)``. That setting is process-wide, so each call restores it: an
+    engine's own DeepGEMM calls keep theirs. A DeepGEMM without ``set_pdl`` / ``get_pdl`` gets the adapter as is."""
+    set_pdl, get_pdl = getattr(module, "set_pdl", None), getattr(module, "get_pdl", None)
+    if not (callable(set_pdl) and callable(get_pdl)):
+        return adapter
+
+    @functools.wraps(adapter)  # keeps the adapter's attributes (``api``)
+    def call(*args, **kwargs):
+        if not pdl_options(args[0].device):
+            return adapter(*args, **kwargs)
+        previous = get_pdl()
+        set_pdl(True)
+        try:
+            return adapter(*args, **kwargs)
+        finally:
+            set_pdl(previous)
+
+    return call
 
 
 MAKERS = {"paged_mqa_logits": make_paged_mqa_logits, "ragged_mqa_logits": make_ragged_mqa_logits,

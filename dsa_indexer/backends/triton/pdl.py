@@ -9,7 +9,9 @@ which returns once every grid it depends on has completed and its writes are vis
 before any load or store, so no kernel reads its predecessor's output early or overwrites what the predecessor
 still reads: results are bit-identical with PDL on or off. The CUDA top-k reads the same decision
 (`backends/cuda/topk.py` then launches its ``DSA_PDL=1`` builds, `csrc/cluster_launch.cuh`). A kernel launched
-without PDL (torch's, cuBLAS's, DeepGEMM's) waits for its predecessor in full, as always.
+without PDL (torch's, cuBLAS's) waits for its predecessor in full, as always. DeepGEMM's kernels wait for their
+predecessor themselves; the DeepGEMM adapters launch them with PDL on through DeepGEMM's own ``set_pdl``
+(`backends/cuda/deepgemm_kernels.launching_with_pdl`).
 
 ``DSA_INDEXER_PDL=1`` turns it on. It is off by default because it has not yet been timed (issue 38). The choice
 is made once per device, at that device's first launch: PDL is used only on a CUDA device (not ROCm) of compute
