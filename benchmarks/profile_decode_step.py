@@ -1,15 +1,18 @@
-"""Kernel list of one V3.2 indexer decode step (and of ``lightning_indexer`` alone) on a GPU, from torch.profiler.
+"""Kernel list of one indexer decode step (and of ``lightning_indexer`` alone) on a GPU, from torch.profiler.
 
 The step is the bench's (`dsa_indexer.bench.suites`: random weights, every request at ``--context`` tokens, the
 batch built before the timed region), run eagerly ``--iters`` times after a warm-up; each kernel's total device
 time is divided by ``--iters`` (us per step). Eager launches add host gaps that a CUDA-graph replay does not
 have, so the sum of the kernels, not the wall time, is the number to compare with the bench.
 
+``--model v4``: DeepSeek-V4-Flash's C4 indexer instead of V3.2's (its compressor state fresh, rolled by each step;
+``lightning_indexer`` alone over context / 4 keys at top-512).
+
 ``--force OP=IMPL`` adds a variant of the step with that implementation forced (repeatable, each its own
 variant, profiled in the same process after the default one): e.g. the unchanged path of issue 23's x
 projections, ``--force x_projections=x_projections.reference.torch``. Several ``--batch`` values profile each.
 
-    python3 benchmarks/profile_decode_step.py --batch 32 --context 8192 [--force OP=IMPL] [--json OUT.json]
+    python3 benchmarks/profile_decode_step.py --batch 32 --context 8192 [--model v4] [--force OP=IMPL] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -59,14 +62,15 @@ def profile_batch(indexer: Indexer, batch: int, context: int, iters: int, varian
     """The step's kernel table per variant (default, then each forced implementation) and lightning_indexer's."""
     device = torch.device("cuda")
     registry = default_registry()
-    x, q_lora, _quant, db, cache, _ = decode_step(indexer.config, indexer, batch, context, device, seed=1)
-    report: dict = {"batch": batch, "context": context, "iters": iters, "variants": {}}
+    cfg = indexer.config
+    x, q_lora, _quant, db, cache, state = decode_step(cfg, indexer, batch, context, device, seed=1)
+    report: dict = {"model": cfg.name, "batch": batch, "context": context, "iters": iters, "variants": {}}
     for name, forced in variants.items():
         op, impl = forced.split("=", 1) if forced else (None, None)
         if op is not None:
             registry.force(op, impl)
         try:
-            rows = kernel_table(lambda: indexer(x, q_lora, db.positions, db, cache), iters)
+            rows = kernel_table(lambda: indexer(x, q_lora, db.positions, db, cache, compressor_state=state), iters)
             pipeline = getattr(indexer.last_pipeline, "chosen", None) and indexer.last_pipeline.chosen.impl_id
         finally:
             if op is not None:
@@ -75,8 +79,9 @@ def profile_batch(indexer: Indexer, batch: int, context: int, iters: int, varian
                                     "step_us": sum(r["us_per_step"] for r in rows),
                                     "launches": sum(r["launches_per_step"] for r in rows)}
         print_table(f"step [{name}] B={batch} ctx={context}", rows)
-    li_args = _decode_inputs(batch, context, device, indexer.fp8_dtype)
-    report["lightning_indexer_kernels"] = kernel_table(lambda: ops.lightning_indexer(*li_args, TOPK), iters)
+    li_args = _decode_inputs(batch, context // cfg.compress_ratio, device, indexer.fp8_dtype)
+    report["lightning_indexer_kernels"] = kernel_table(lambda: ops.lightning_indexer(*li_args, min(TOPK, cfg.topk)),
+                                                       iters)
     print_table(f"lightning_indexer B={batch} ctx={context}", report["lightning_indexer_kernels"])
     return report
 
@@ -88,12 +93,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--force", action="append", default=[], metavar="OP=IMPL",
                         help="also profile the step with this implementation forced (repeatable)")
+    parser.add_argument("--model", choices=("v32", "v4"), default="v32",
+                        help="DeepSeek-V3.2's indexer (default) or V4-Flash's C4 indexer")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     for forced in args.force:
         if "=" not in forced:
             parser.error(f"--force takes OP=IMPL, got {forced!r}")
-    indexer = Indexer(IndexerConfig.deepseek_v32(), device=torch.device("cuda")).init_random(0)
+    cfg = IndexerConfig.deepseek_v32() if args.model == "v32" else IndexerConfig.deepseek_v4_flash()
+    indexer = Indexer(cfg, device=torch.device("cuda")).init_random(0)
     variants: dict[str, str | None] = {"default": None}
     variants.update({f"forced {forced}": forced for forced in args.force})
     reports = [profile_batch(indexer, batch, args.context, args.iters, variants) for batch in args.batch]
