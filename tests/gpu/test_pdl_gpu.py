@@ -141,3 +141,23 @@ def test_topk_launches_with_pdl_equal_the_shipped_build(pdl_switch, rows, cols, 
                                   float("-inf")), k, dim=1).values
     picked = torch.where(got[True] >= 0, source.gather(1, got[True].clamp_min(0).long()), float("-inf"))
     assert torch.equal(picked.sort(dim=1, descending=True).values, want), "not the k largest"
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 131072), (64, 8192)])  # the split path (few long rows), the rows path
+def test_triton_topk_with_pdl_equals_without(pdl_switch, rows, cols):
+    """The Triton top-k (the step's top-k where the CUDA one is not built, e.g. sm120) behind the kernel that writes
+    its logits, PDL on against off."""
+    from dsa_indexer.backends.triton.topk import topk_indices
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + cols)
+    source = torch.randn(rows, cols, device="cuda", generator=gen)
+    ends = torch.randint(cols // 2, cols + 1, (rows,), device="cuda", generator=gen, dtype=torch.int32)
+    got = {}
+    for on in (False, True):
+        pdl_switch(on)
+        logits = torch.full_like(source, float("nan"))
+        torch.cuda.synchronize()
+        torch.mul(source, 3.0, out=logits)
+        got[on] = topk_indices(logits, 2048, ends)
+        torch.cuda.synchronize()
+    assert torch.equal(got[False], got[True])

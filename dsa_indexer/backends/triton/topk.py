@@ -45,6 +45,7 @@ import triton.language as tl
 
 from ...contract.cache import PAGE_SIZE
 from .logits import next_pow2, sm_count, paged_mqa_logits
+from .pdl import pdl_options, wait_for_predecessor
 
 _BINS = 256
 _LEVELS = 4  # bytes of a 32-bit key
@@ -317,7 +318,8 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
                       bt_ptr, bt_stride, req_ptr, n_cols, k,
                       HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, HAS_REQ: tl.constexpr,
                       BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr, PAGE: tl.constexpr, SAMPLES: tl.constexpr,
-                      WINDOW_BINS: tl.constexpr):
+                      WINDOW_BINS: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """One row, two passes over it:
 
     1. a WINDOW_BINS-bin histogram of the keys in bins below an anchor (the largest key of a few sampled
@@ -331,6 +333,7 @@ def _topk_rows_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, cand_ptr, cand_stri
     The exact k-th largest key T then comes from a 4-byte radix select over the candidates only, and the
     output is: the sure columns, the candidates > T, the first candidates == T (each group in column order).
     """
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     start, end = _row_window(starts_ptr, ends_ptr, row, HAS_STARTS)
     out_row = out_ptr + row.to(tl.int64) * k
@@ -412,9 +415,11 @@ def _split_prefix(hist_ptr, state_ptr, row, part, k, LEVEL: tl.constexpr):
 @triton.jit
 def _split_scan_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, hist_ptr, state_ptr, list_ptr, list_len_ptr,
                        n_cols, k, chunk, num_chunks,
-                       LEVEL: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr):
+                       LEVEL: tl.constexpr, HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Passes 1-3 over (row, chunk): histogram LEVEL into the global buffer; pass 3 also writes the chunk's
     list (at its slice of the row's list) and its length."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     start, end = _row_window(starts_ptr, ends_ptr, row, HAS_STARTS)
@@ -434,9 +439,11 @@ def _split_scan_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, hist_ptr, state_pt
 @triton.jit
 def _split_list_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, hist_ptr, state_ptr, list_ptr, list_len_ptr,
                        above_ptr, suffix_ptr, k, chunk, num_chunks,
-                       HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Pass 4 over the chunk's list: histogram of the last byte; per chunk, the entries above T's 24-bit prefix
     and the suffix sums of the byte histogram (what the output pass needs to rank across chunks)."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     start, end = _row_window(starts_ptr, ends_ptr, row, HAS_STARTS)
@@ -456,8 +463,10 @@ def _split_list_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, hist_ptr, state_pt
 def _split_output_kernel(x_ptr, x_stride, starts_ptr, ends_ptr, hist_ptr, state_ptr, list_ptr, list_len_ptr,
                          above_ptr, suffix_ptr, out_ptr, bt_ptr, bt_stride, req_ptr, k, chunk, num_chunks,
                          HAS_STARTS: tl.constexpr, SLOTS: tl.constexpr, HAS_REQ: tl.constexpr,
-                         CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+                         CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Pass 5: write the row's k indices; short rows are written by all programs of the row, k / chunks each."""
+    wait_for_predecessor(PDL)
     row = tl.program_id(0)
     part = tl.program_id(1)
     start, end = _row_window(starts_ptr, ends_ptr, row, HAS_STARTS)
@@ -560,7 +569,7 @@ def topk_indices(logits: torch.Tensor, k: int, ends: torch.Tensor, starts: torch
     if slots and bt.stride(-1) != 1:
         bt = bt.contiguous()
     req = row_request.contiguous() if row_request is not None else ends
-    flags = dict(HAS_STARTS=has_starts, BLOCK=cfg["block"], num_warps=cfg["num_warps"])
+    flags = dict(HAS_STARTS=has_starts, BLOCK=cfg["block"], num_warps=cfg["num_warps"], **pdl_options(device))
     out_flags = dict(SLOTS=slots, HAS_REQ=row_request is not None, PAGE=PAGE_SIZE)
 
     if cfg["path"] == "rows":
