@@ -50,8 +50,9 @@ def fp8_min_exp(fp8_dtype: torch.dtype) -> int:
     return _FP8_MIN_EXP[fp8_dtype]
 
 
-# Each fp8 format's launch constants, made once: a launcher reads them with one dict lookup (`fp8_constexprs`), so a
-# warm decode step makes no Python call into this module for them.
+# Each fp8 format's launch constants, made once: a launcher reads them with one dict lookup and calls
+# `fp8_constexprs` only for a dtype that is not there (to raise its error), so a warm decode step makes no Python
+# call into this module for them.
 FP8_CONSTEXPRS = {dtype: {"FMAX": fp8_max(dtype), "MIN_EXP": exp} for dtype, exp in _FP8_MIN_EXP.items()}
 
 
