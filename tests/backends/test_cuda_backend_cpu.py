@@ -764,6 +764,7 @@ def test_deepgemm_launches_with_its_pdl_only_around_a_pdl_steps_calls(monkeypatc
         return a
 
     adapter.api = "the detected api"
+    adapter.unmasked = lambda a: seen.append(("unmasked", module.pdl)) or a  # another entry point (lightning.py's)
     wrapped = deepgemm_kernels.launching_with_pdl(adapter, module)
     assert wrapped.api == "the detected api"
     x = torch.zeros(2)
@@ -773,5 +774,6 @@ def test_deepgemm_launches_with_its_pdl_only_around_a_pdl_steps_calls(monkeypatc
     assert wrapped(x) is x
     with pytest.raises(RuntimeError, match="kernel failed"):
         wrapped(x, fail=True)
-    assert seen == ["engine's own", True, True] and module.pdl == "engine's own"
+    assert wrapped.unmasked(x) is x
+    assert seen == ["engine's own", True, True, ("unmasked", True)] and module.pdl == "engine's own"
     assert deepgemm_kernels.launching_with_pdl(adapter, types.SimpleNamespace()) is adapter

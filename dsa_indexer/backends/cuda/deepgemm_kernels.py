@@ -297,18 +297,26 @@ def launching_with_pdl(adapter: Callable[..., Any], module: ModuleType) -> Calla
     if not (callable(set_pdl) and callable(get_pdl)):
         return adapter
 
-    @functools.wraps(adapter)  # keeps the adapter's attributes (``api``)
-    def call(*args, **kwargs):
-        if not pdl_options(args[0].device):
-            return adapter(*args, **kwargs)
-        previous = get_pdl()
-        set_pdl(True)
-        try:
-            return adapter(*args, **kwargs)
-        finally:
-            set_pdl(previous)
+    def with_pdl(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)  # keeps the adapter's attributes (``api``)
+        def call(*args, **kwargs):
+            if not pdl_options(args[0].device):
+                return fn(*args, **kwargs)
+            previous = get_pdl()
+            set_pdl(True)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                set_pdl(previous)
 
-    return call
+        return call
+
+    wrapped = with_pdl(adapter)
+    for entry in ("unmasked", "padded"):  # the adapters' other entry points (`lightning.py`, the prefill scorer)
+        inner = getattr(adapter, entry, None)
+        if callable(inner):
+            setattr(wrapped, entry, with_pdl(inner))
+    return wrapped
 
 
 MAKERS = {"paged_mqa_logits": make_paged_mqa_logits, "ragged_mqa_logits": make_ragged_mqa_logits,

@@ -19,7 +19,7 @@ import torch
 from ...contract.cache import decode_row_requests
 from ...contract.step import StepContext
 from .deepgemm import DeepGemmApi, make_paged_mqa_logits
-from .deepgemm_kernels import make_ragged_mqa_logits
+from .deepgemm_kernels import launching_with_pdl, make_ragged_mqa_logits
 from .topk import topk_indices
 
 
@@ -32,7 +32,8 @@ def _row_requests(context_lens: torch.Tensor, context: StepContext | None) -> to
 
 
 def make_lightning_indexer(module: ModuleType, api: DeepGemmApi) -> Callable[..., torch.Tensor]:
-    paged = make_paged_mqa_logits(module, api)
+    # DeepGEMM launches with its own PDL where the step's kernels do (`launching_with_pdl`)
+    paged = launching_with_pdl(make_paged_mqa_logits(module, api), module)
     unmasked = paged.unmasked  # type: ignore[attr-defined]
 
     def lightning_indexer(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
@@ -53,7 +54,7 @@ def make_ragged_mqa_topk(module: ModuleType, api: DeepGemmApi) -> Callable[..., 
     padded rows by the CUDA top-k within the same windows. Against the composition this drops the contiguous
     copy of the [rows, keys] fp32 logits (H200, 128K-token V3.2 layer: 27 of 203 ms, and a second
     chunk-sized buffer; `benchmarks/results/profile_prefill_h200.json`)."""
-    padded = make_ragged_mqa_logits(module, api).padded  # type: ignore[attr-defined]
+    padded = launching_with_pdl(make_ragged_mqa_logits(module, api), module).padded  # type: ignore[attr-defined]
 
     def ragged_mqa_topk(q: torch.Tensor, k: torch.Tensor, k_scales: torch.Tensor, weights: torch.Tensor,
                         ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out: torch.Tensor | None = None
