@@ -74,7 +74,6 @@ def test_v32_decode_with_pdl_equals_without(pdl_switch, batch):
     for (off_eager, off_graph), (on_eager, on_graph) in zip(results[False][0], results[True][0]):
         assert torch.equal(off_eager, on_eager), "eager top-k differs with PDL on"
         assert torch.equal(off_graph, on_graph), "graph top-k differs with PDL on"
-        assert torch.equal(off_eager, off_graph)
     assert torch.equal(results[False][1], results[True][1]), "eager cache bytes differ with PDL on"
     assert torch.equal(results[False][2], results[True][2]), "graph cache bytes differ with PDL on"
 
