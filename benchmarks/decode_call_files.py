@@ -8,7 +8,8 @@ decode batch whose contexts are longer than the top-k (so the step runs its page
 `sys.setprofile`: the distinct `dsa_indexer` files whose functions it entered, the Python calls it made into the
 package (per file and per function), the calls into `Registry.resolve` / `Registry.choose` (each a full resolution) and into `Registry.call` /
 `Registry.function` (a registry dispatch: a lookup per call). The goal of issue 36: no registry call in a warm step,
-each model within ~9 files.
+each model within ~9 files. The count is also split: the library's own files, and those under ``backends/`` (the
+kernels' launchers, one file per kernel family on a GPU).
 """
 
 import argparse
@@ -77,8 +78,10 @@ def trace_decode(model: str, target: str | None, device: str = "cpu") -> dict:
         indexer(x, q_lora, batch.positions, batch, cache, compressor_state=state)
     finally:
         sys.setprofile(None)
+    kernel_files = [f for f in files if f.startswith("dsa_indexer/backends/")]
     return {"model": model, "target": target or str(indexer.target), "device": device, "context_keys": keys,
-            "topk": cfg.topk, "files": len(files), "python_calls": sum(files.values()),
+            "topk": cfg.topk, "files": len(files), "library_files": len(files) - len(kernel_files),
+            "backend_files": len(kernel_files), "python_calls": sum(files.values()),
             "file_calls": dict(sorted(files.items())), "registry_calls": dict(registry_calls),
             "function_calls": dict(sorted(functions.items()))}
 
@@ -94,8 +97,8 @@ def main() -> None:
     rows = [trace_decode(m, None if t in ("cpu", "detected") else t, args.device)
             for m in args.model or ("v32", "v4") for t in targets]
     for row in rows:
-        print(f"{row['model']:>4} {row['target']:>6}: {row['files']} files, {row['python_calls']} calls, "
-              f"registry {row['registry_calls']}")
+        print(f"{row['model']:>4} {row['target']:>6}: {row['files']} files ({row['library_files']} library, "
+              f"{row['backend_files']} backends/), {row['python_calls']} calls, registry {row['registry_calls']}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         result = {"command": "python benchmarks/decode_call_files.py " + " ".join(sys.argv[1:]), "rows": rows}
